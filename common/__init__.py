@@ -1,0 +1,1 @@
+"""Shared by every level: the list of levels, data, initial weights, input checks, the native binding and the harness."""

@@ -1,0 +1,124 @@
+"""Input checks shared by every level, so bad input raises the same clear exception everywhere.
+
+The level contract (every level's `MLP` has exactly these methods):
+    MLP(params, **level_options)
+    .train_epoch(X, y, batch_size, lr, order=None) -> losses (steps,) float32, each before its step's update
+    .loss_and_grads(X, y) -> (loss, grads keyed like params)
+    .forward(X) -> logits (N, 10) float32
+    .state_dict() -> float32 copies of the params, PyTorch names and layouts
+
+Conversions are few and documented: params and labels are copied to float32 / int32;
+X must already be float32 and C-contiguous (a silent copy of a 60,000-image array would hide a cost).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from common.model import N_IN, N_OUT, PARAM_NAMES, param_shapes
+
+
+def check_params(params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Validate names, shapes and values; return C-contiguous float32 copies."""
+    if not isinstance(params, dict) or set(params) != set(PARAM_NAMES):
+        got = sorted(params) if isinstance(params, dict) else type(params).__name__
+        raise ValueError(f"params must be a dict with keys {list(PARAM_NAMES)}, got {got}")
+    hidden = np.shape(params["fc1.weight"])[0] if np.ndim(params["fc1.weight"]) == 2 else -1
+    out = {}
+    for name, shape in param_shapes(hidden).items():
+        value = np.asarray(params[name])
+        if hidden < 1 or value.shape != shape:
+            raise ValueError(f"params[{name!r}] has shape {value.shape}, expected {shape}")
+        if not np.issubdtype(value.dtype, np.floating):
+            raise TypeError(f"params[{name!r}] must be floating point, got {value.dtype}")
+        if not np.isfinite(value).all():
+            raise ValueError(f"params[{name!r}] contains NaN or infinity")
+        out[name] = np.array(value, dtype=np.float32, order="C")
+    return out
+
+
+def hidden_size(params: dict[str, np.ndarray]) -> int:
+    """H, read off fc1.weight (H, 784)."""
+    return params["fc1.weight"].shape[0]
+
+
+def check_X(X: np.ndarray) -> np.ndarray:
+    """X must be a non-empty (N, 784) float32 C-contiguous array of finite values."""
+    if not isinstance(X, np.ndarray):
+        raise TypeError(f"X must be a numpy array, got {type(X).__name__}")
+    if X.dtype != np.float32:
+        raise TypeError(f"X must be float32, got {X.dtype}; convert with X.astype(np.float32)")
+    if X.ndim != 2 or X.shape[1] != N_IN:
+        raise ValueError(f"X must have shape (N, {N_IN}), got {X.shape}")
+    if X.shape[0] == 0:
+        raise ValueError("X is empty: a batch needs at least one image")
+    if not X.flags.c_contiguous:
+        raise ValueError("X must be C-contiguous; use np.ascontiguousarray(X)")
+    if not np.isfinite(X).all():
+        raise ValueError("X contains NaN or infinity")
+    return X
+
+
+def check_y(y: np.ndarray, n: int) -> np.ndarray:
+    """y must hold n integer labels in [0, 10); returned as C-contiguous int32."""
+    y = np.asarray(y)
+    if not np.issubdtype(y.dtype, np.integer):
+        raise TypeError(f"y must hold integer labels, got {y.dtype}")
+    if y.shape != (n,):
+        raise ValueError(f"y must have shape ({n},) to match X, got {y.shape}")
+    if n and (y.min() < 0 or y.max() >= N_OUT):
+        raise ValueError(f"labels must be in [0, {N_OUT}), got range [{y.min()}, {y.max()}]")
+    return np.ascontiguousarray(y, dtype=np.int32)
+
+
+def check_training(n: int, batch_size: int, lr: float, order: np.ndarray | None) -> np.ndarray:
+    """Validate batch size and learning rate; return the visiting order as int32 indices into X."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    if not np.isfinite(lr) or lr < 0:
+        raise ValueError(f"lr must be a finite number >= 0, got {lr!r}")
+    if order is None:
+        return np.arange(n, dtype=np.int32)
+    order = np.asarray(order)
+    if not np.issubdtype(order.dtype, np.integer) or order.ndim != 1 or order.size == 0:
+        raise ValueError(f"order must be a non-empty 1-D integer index array, got {order.dtype} {order.shape}")
+    if order.min() < 0 or order.max() >= n:
+        raise ValueError(f"order indexes rows of X: values must be in [0, {n}), got [{order.min()}, {order.max()}]")
+    return np.ascontiguousarray(order, dtype=np.int32)
+
+
+def n_steps(n: int, batch_size: int) -> int:
+    """Steps in an epoch of n samples: a final partial batch is a real, smaller step."""
+    return -(-n // batch_size)
+
+
+def _frozen(a: np.ndarray) -> bool:
+    """True when neither the array nor any array it views can be written through numpy."""
+    while isinstance(a, np.ndarray):
+        if a.flags.writeable:
+            return False
+        a = a.base
+    return a is None or isinstance(a, bytes)
+
+
+class DataCache:
+    """Checks a training set once and keeps the level's copy of it (on a GPU: the upload) while it is unchanged.
+
+    "Unchanged" means: the same read-only X and y objects as last time. The harness hands every
+    level read-only arrays, so the data set is checked and uploaded once, not every epoch - the
+    fair, best-practice loop for every level. Writeable arrays are checked and uploaded on every call.
+    """
+
+    def __init__(self, upload):
+        self._upload = upload  # (X float32, y int32) -> the level's copy
+        self._key: tuple[np.ndarray, np.ndarray] | None = None
+        self._copy = None
+
+    def fetch(self, X: np.ndarray, y: np.ndarray):
+        """The level's copy of (X, y), validated and uploaded only when they changed."""
+        if self._key is not None and self._key[0] is X and self._key[1] is y and _frozen(X) and _frozen(y):
+            return self._copy
+        checked_X = check_X(X)
+        copy = self._upload(checked_X, check_y(y, len(checked_X)))
+        self._key, self._copy = ((X, y), copy) if _frozen(X) and _frozen(y) else (None, None)
+        return copy

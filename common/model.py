@@ -1,0 +1,42 @@
+"""The network every level trains: sizes, parameter names and layouts, the seeded initial weights, the FLOP count."""
+
+from __future__ import annotations
+
+import numpy as np
+
+N_IN = 784  # 28 x 28 pixels
+N_OUT = 10  # digits 0-9
+HIDDEN = 256
+PARAM_NAMES = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
+
+
+def param_shapes(hidden: int = HIDDEN) -> dict[str, tuple[int, ...]]:
+    """PyTorch's layouts: nn.Linear stores its weight as (out_features, in_features)."""
+    return {
+        "fc1.weight": (hidden, N_IN),
+        "fc1.bias": (hidden,),
+        "fc2.weight": (N_OUT, hidden),
+        "fc2.bias": (N_OUT,),
+    }
+
+
+def init_params(seed: int, hidden: int = HIDDEN) -> dict[str, np.ndarray]:
+    """He uniform: W ~ U(-sqrt(2/fan_in), +sqrt(2/fan_in)), b = 0; drawn once here and handed to every level."""
+    rng = np.random.default_rng(seed)
+    params = {}
+    for name, shape in param_shapes(hidden).items():
+        if name.endswith("weight"):
+            bound = np.sqrt(2.0 / shape[1])
+            params[name] = rng.uniform(-bound, bound, size=shape).astype(np.float32)
+        else:
+            params[name] = np.zeros(shape, dtype=np.float32)
+    return params
+
+
+def flops_per_step(batch: int, hidden: int) -> int:
+    """Multiply-adds x2 of the three matrix products of a step, both layers.
+
+    Forward: x W1^T and a W2^T; backward: dW2 = dz^T a, da = dz W2, dW1 = dh^T x
+    (no gradient for the input pixels). The elementwise work is negligible beside these.
+    """
+    return 2 * batch * hidden * (2 * N_IN + 3 * N_OUT)
