@@ -1,0 +1,5 @@
+"""Level 1: PyTorch, the gold standard every other level is checked against."""
+
+from level1_pytorch.mlp import MLP
+
+__all__ = ["MLP"]

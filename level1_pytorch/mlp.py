@@ -1,0 +1,101 @@
+"""Level 1 - PyTorch, the gold standard.
+
+The MLP as a PyTorch user would write it: an nn.Module with two nn.Linear layers, autograd for
+the backward pass, torch.optim.SGD for the update. Every other level must reproduce its per-step
+losses. Full float32 (TF32 off) and deterministic algorithms, so that the reference is exact.
+
+On CUDA it follows the best-practice loop, so that later levels are timed against a fair opponent:
+the data set is copied to the GPU once, each step's loss stays on the GPU, and the losses are read
+back once per epoch.
+
+Run: `python -m common.compare --levels 1` or `pytest -m level1`.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+# cuBLAS needs a fixed workspace to be deterministic; it reads this when its handle is created.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+from common.contract import DataCache, check_params, check_training, check_X, check_y, hidden_size, n_steps  # noqa: E402
+from common.model import N_IN, N_OUT  # noqa: E402
+
+
+class Net(nn.Module):
+    """784 -> hidden (ReLU) -> 10."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.fc1 = nn.Linear(N_IN, hidden)
+        self.fc2 = nn.Linear(hidden, N_OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def _as_tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Zero-copy on the CPU (the arrays may be read-only: PyTorch never writes them here), a copy on a GPU."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "The given NumPy array is not writable"
+        return torch.from_numpy(a).to(device)
+
+
+class MLP:
+    """The level contract, implemented with nn.Module, autograd and torch.optim.SGD."""
+
+    def __init__(self, params: dict[str, np.ndarray], device: str = "cpu"):
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("device='cuda' asked for, but PyTorch sees no CUDA device")
+        torch.backends.cuda.matmul.allow_tf32 = False  # full float32: TF32 would change losses at 1e-3
+        torch.backends.cudnn.allow_tf32 = False
+        torch.use_deterministic_algorithms(True)
+        self.device = torch.device(device)
+        self.net = Net(hidden_size(check_params(params))).to(self.device)
+        self.net.load_state_dict({k: torch.from_numpy(v) for k, v in check_params(params).items()})
+        self.optimizer = torch.optim.SGD(self.net.parameters(), lr=0.0)
+        self._data = DataCache(lambda X, y: (_as_tensor(X, self.device), _as_tensor(y, self.device).long()))
+
+    def train_epoch(self, X: np.ndarray, y: np.ndarray, batch_size: int, lr: float, order=None) -> np.ndarray:
+        """One pass over X in `order`; returns each step's loss, taken before that step's update."""
+        X_dev, y_dev = self._data.fetch(X, y)
+        order = torch.from_numpy(check_training(len(X_dev), batch_size, lr, order)).to(self.device).long()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        losses = torch.empty(n_steps(len(order), batch_size), device=self.device)
+        for step in range(len(losses)):
+            batch = order[step * batch_size : (step + 1) * batch_size]
+            loss = F.cross_entropy(self.net(X_dev[batch]), y_dev[batch])
+            self.optimizer.zero_grad()
+            loss.backward()
+            self.optimizer.step()
+            losses[step] = loss.detach()  # stays on the device: no synchronisation per step
+        return losses.cpu().numpy()
+
+    def loss_and_grads(self, X: np.ndarray, y: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
+        """Mean cross-entropy of one batch and its gradients; parameters unchanged."""
+        X = _as_tensor(check_X(X), self.device)
+        y = _as_tensor(check_y(y, len(X)), self.device).long()
+        self.optimizer.zero_grad()
+        loss = F.cross_entropy(self.net(X), y)
+        loss.backward()
+        grads = {name: p.grad.detach().cpu().numpy().copy() for name, p in self.net.named_parameters()}
+        self.optimizer.zero_grad()
+        return float(loss.detach()), grads
+
+    def forward(self, X: np.ndarray) -> np.ndarray:
+        """Logits (N, 10)."""
+        with torch.no_grad():
+            return self.net(_as_tensor(check_X(X), self.device)).cpu().numpy()
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """float32 copies of the parameters."""
+        return {name: t.detach().cpu().numpy().copy() for name, t in self.net.state_dict().items()}
