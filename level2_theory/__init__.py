@@ -1,0 +1,1 @@
+"""Level 2: backpropagation theory. The formulas live in `backprop.py`, the derivation in `chapter.ipynb`."""

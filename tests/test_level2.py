@@ -1,0 +1,257 @@
+"""Level 2: every backprop formula against central differences and torch.autograd in float64, and the pitfalls caught.
+
+Tolerances are normwise, rel_error(a, b) = max|a - b| / max|b|:
+  FD_TOL = 1e-6 against central differences (eps = 1e-6). Their truncation error is O(eps^2) ~ 1e-12;
+    their rounding error is ~ 1e-16 |f| / eps ~ 1e-10 |f|, and it dominates: measured at most 3e-8
+    (logits of scale 10, where |f| is largest next to a small gradient). The smallest bug shown here
+    is off by a factor of 2 or more, i.e. a rel_error >= 0.5, five orders of magnitude above FD_TOL.
+  TORCH_TOL = 1e-12 against torch.autograd: the same formulas in float64, differing only in the order
+    of summation, so ~1e-16 per operation (measured <= 1.3e-15); 1e-12 leaves room for any BLAS.
+"""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from common.model import N_IN, N_OUT, PARAM_NAMES, init_params
+from level2_theory import backprop as bp
+
+pytestmark = pytest.mark.level2
+
+FD_TOL = 1e-6
+TORCH_TOL = 1e-12
+BATCHES = (1, 13)
+# (in, out) of a linear layer: out = 1 and 37 are the odd hidden sizes;
+# 3 x 3 is square, where a transposed dW has the right shape.
+LINEAR_SHAPES = ((5, 1), (5, 37), (3, 3))
+
+
+def rng_for(*key: int) -> np.random.Generator:
+    """A generator seeded by the test's parameters, so every case is reproducible on its own."""
+    return np.random.default_rng(list(key))
+
+
+def away_from_kink(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    """Pre-activations with 0.1 <= |h| <= 2: relu has a kink at 0, where a +-eps step would straddle it."""
+    return rng.choice([-1.0, 1.0], shape) * rng.uniform(0.1, 2.0, shape)
+
+
+def logits_and_labels(rng: np.random.Generator, batch: int, scale: float = 3.0) -> tuple[np.ndarray, np.ndarray]:
+    """Random float64 logits (B, 10) and integer labels (B,)."""
+    return scale * rng.standard_normal((batch, N_OUT)), rng.integers(0, N_OUT, batch)
+
+
+def small_params(rng: np.random.Generator, n_in: int, hidden: int) -> dict[str, np.ndarray]:
+    """float64 parameters with the PyTorch layouts, biases non-zero so that a bias bug shows."""
+    shapes = {"fc1.weight": (hidden, n_in), "fc1.bias": (hidden,), "fc2.weight": (N_OUT, hidden), "fc2.bias": (N_OUT,)}
+    return {name: 0.5 * rng.standard_normal(shape) for name, shape in shapes.items()}
+
+
+def torch_leaf(a: np.ndarray) -> torch.Tensor:
+    """A float64 tensor that records its gradient."""
+    return torch.tensor(a, dtype=torch.float64, requires_grad=True)
+
+
+# ---- each formula against central differences -------------------------------------------------
+# A layer's output is a tensor, so it is checked through the scalar <out, dout> = sum(out * dout):
+# its gradient with respect to an input is exactly what the backward function returns for that dout.
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("n_in,n_out", LINEAR_SHAPES)
+def test_linear_backward_vs_finite_differences(batch, n_in, n_out):
+    rng = rng_for(batch, n_in, n_out)
+    x, W, b = rng.standard_normal((batch, n_in)), rng.standard_normal((n_out, n_in)), rng.standard_normal(n_out)
+    dout = rng.standard_normal((batch, n_out))
+    dx, dW, db = bp.linear_backward(dout, x, W)
+    assert (dx.shape, dW.shape, db.shape) == (x.shape, W.shape, b.shape)
+    assert bp.rel_error(dx, bp.numerical_gradient(lambda v: np.sum(bp.linear_forward(v, W, b) * dout), x)) < FD_TOL
+    assert bp.rel_error(dW, bp.numerical_gradient(lambda v: np.sum(bp.linear_forward(x, v, b) * dout), W)) < FD_TOL
+    assert bp.rel_error(db, bp.numerical_gradient(lambda v: np.sum(bp.linear_forward(x, W, v) * dout), b)) < FD_TOL
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("hidden", (1, 37))
+def test_relu_backward_vs_finite_differences(batch, hidden):
+    rng = rng_for(batch, hidden)
+    h, da = away_from_kink(rng, (batch, hidden)), rng.standard_normal((batch, hidden))
+    numeric = bp.numerical_gradient(lambda v: np.sum(bp.relu_forward(v) * da), h)
+    assert bp.rel_error(bp.relu_backward(da, h), numeric) < FD_TOL
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+def test_softmax_jacobian_vs_finite_differences(batch):
+    rng = rng_for(batch)
+    logits, _ = logits_and_labels(rng, batch)
+    dp = rng.standard_normal((batch, N_OUT))
+    p = bp.softmax(logits)
+    dlogits = p * (dp - np.sum(dp * p, axis=1, keepdims=True))  # the vector-Jacobian product of softmax
+    assert bp.rel_error(dlogits, bp.numerical_gradient(lambda v: np.sum(bp.softmax(v) * dp), logits)) < FD_TOL
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("scale", (1.0, 10.0))
+def test_softmax_xent_backward_vs_finite_differences(batch, scale):
+    rng = rng_for(batch, int(scale))
+    logits, y = logits_and_labels(rng, batch, scale)
+    numeric = bp.numerical_gradient(lambda v: bp.softmax_xent_forward(v, y), logits)
+    assert bp.rel_error(bp.softmax_xent_backward(logits, y), numeric) < FD_TOL
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("hidden", (1, 37))
+def test_mlp_grads_vs_finite_differences(batch, hidden):
+    rng = rng_for(batch, hidden)
+    n_in = 5  # the formulas do not depend on 784; a small input keeps the entry-by-entry differences fast
+    params, x, y = small_params(rng, n_in, hidden), rng.random((batch, n_in)), rng.integers(0, N_OUT, batch)
+    h = bp.linear_forward(x, params["fc1.weight"], params["fc1.bias"])
+    assert np.abs(h).min() > 1e-4, "a hidden unit sits on the relu kink: finite differences would straddle it"
+    _, grads = bp.mlp_loss_and_grads(params, x, y)
+    for name in PARAM_NAMES:
+        numeric = bp.numerical_gradient(lambda v: bp.mlp_loss_and_grads({**params, name: v}, x, y)[0], params[name])
+        assert bp.rel_error(grads[name], numeric) < FD_TOL, name
+
+
+# ---- each formula against torch.autograd ------------------------------------------------------
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("n_in,n_out", LINEAR_SHAPES)
+def test_linear_vs_autograd(batch, n_in, n_out):
+    rng = rng_for(batch, n_in, n_out)
+    x, W, b = rng.standard_normal((batch, n_in)), rng.standard_normal((n_out, n_in)), rng.standard_normal(n_out)
+    dout = rng.standard_normal((batch, n_out))
+    tx, tW, tb = torch_leaf(x), torch_leaf(W), torch_leaf(b)
+    out = F.linear(tx, tW, tb)
+    out.backward(torch.tensor(dout))
+    assert bp.rel_error(bp.linear_forward(x, W, b), out.detach().numpy()) < TORCH_TOL
+    for mine, ref in zip(bp.linear_backward(dout, x, W), (tx, tW, tb)):
+        assert bp.rel_error(mine, ref.grad.numpy()) < TORCH_TOL
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("hidden", (1, 37))
+def test_relu_vs_autograd(batch, hidden):
+    rng = rng_for(batch, hidden)
+    # autograd needs no distance from the kink: it takes no finite step
+    h, da = rng.standard_normal((batch, hidden)), rng.standard_normal((batch, hidden))
+    th = torch_leaf(h)
+    a = torch.relu(th)
+    a.backward(torch.tensor(da))
+    assert np.array_equal(bp.relu_forward(h), a.detach().numpy())  # a max and a multiply by 0/1 are exact
+    assert np.array_equal(bp.relu_backward(da, h), th.grad.numpy())
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+def test_softmax_xent_vs_autograd(batch):
+    rng = rng_for(batch)
+    logits, y = logits_and_labels(rng, batch)
+    tlogits = torch_leaf(logits)
+    loss = F.cross_entropy(tlogits, torch.tensor(y))  # reduction="mean", the loss every level trains on
+    loss.backward()
+    assert bp.rel_error(bp.softmax(logits), torch.softmax(tlogits, dim=1).detach().numpy()) < TORCH_TOL
+    assert abs(bp.softmax_xent_forward(logits, y) - loss.item()) < TORCH_TOL * abs(loss.item())
+    assert bp.rel_error(bp.softmax_xent_backward(logits, y), tlogits.grad.numpy()) < TORCH_TOL
+
+
+def test_softmax_minus_onehot_identity():
+    """d mean_b xent / d logits = (softmax - onehot) / B, with autograd on one side and the closed form on the other."""
+    rng = rng_for(13)
+    logits, y = logits_and_labels(rng, 13)
+    tlogits = torch_leaf(logits)
+    F.cross_entropy(tlogits, torch.tensor(y)).backward()
+    closed_form = (torch.softmax(tlogits, dim=1).detach().numpy() - np.eye(N_OUT)[y]) / len(y)
+    assert bp.rel_error(closed_form, tlogits.grad.numpy()) < TORCH_TOL
+    # each row sums to 1 - 1 = 0: the gradient never pushes all logits of an example the same way
+    assert np.allclose(closed_form.sum(axis=1), 0, atol=1e-16)
+
+
+class TorchMLP(torch.nn.Module):
+    """The network as level 1 writes it, with the same parameter names."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(N_IN, hidden)
+        self.fc2 = torch.nn.Linear(hidden, N_OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def test_mlp_loss_and_grads_vs_autograd():
+    batch, hidden = 13, 37
+    rng = rng_for(batch, hidden)
+    params = {k: v.astype(np.float64) for k, v in init_params(seed=0, hidden=hidden).items()}
+    for name in ("fc1.bias", "fc2.bias"):  # init_params zeroes the biases; non-zero ones make a bias bug visible
+        params[name] = 0.1 * rng.standard_normal(params[name].shape)
+    x, y = rng.random((batch, N_IN)), rng.integers(0, N_OUT, batch)
+
+    model = TorchMLP(hidden).double()
+    model.load_state_dict({k: torch.tensor(v) for k, v in params.items()})
+    loss = F.cross_entropy(model(torch.tensor(x)), torch.tensor(y))
+    loss.backward()
+
+    my_loss, grads = bp.mlp_loss_and_grads(params, x, y)
+    assert abs(my_loss - loss.item()) < TORCH_TOL * abs(loss.item())
+    assert grads.keys() == params.keys()
+    for name, p in model.named_parameters():
+        assert grads[name].shape == tuple(p.shape), name
+        assert bp.rel_error(grads[name], p.grad.numpy()) < TORCH_TOL, name
+
+    lr = 0.1
+    torch.optim.SGD(model.parameters(), lr=lr).step()
+    for name, p in bp.sgd_update(params, grads, lr).items():
+        assert bp.rel_error(p, model.state_dict()[name].numpy()) < TORCH_TOL, name
+
+
+# ---- the pitfalls: each buggy variant differs from the truth, and the checks above catch it ----
+
+
+def test_forgetting_one_over_batch_is_caught():
+    rng = rng_for(13)
+    logits, y = logits_and_labels(rng, 13)
+    numeric = bp.numerical_gradient(lambda v: bp.softmax_xent_forward(v, y), logits)
+    buggy = bp.buggy_softmax_xent_backward(logits, y)
+    assert bp.rel_error(buggy, numeric) > 1  # it is 12 = B - 1: the finite-difference check fails
+    assert np.allclose(buggy / bp.softmax_xent_backward(logits, y), 13)
+    # At B = 1 the bug is invisible, which is why the shapes above include B > 1.
+    one, label = logits[:1], y[:1]
+    assert np.array_equal(bp.buggy_softmax_xent_backward(one, label), bp.softmax_xent_backward(one, label))
+
+
+def test_relu_mask_from_wrong_tensor_is_caught():
+    rng = rng_for(13, 37)
+    h, da = away_from_kink(rng, (13, 37)), rng.standard_normal((13, 37))
+    numeric = bp.numerical_gradient(lambda v: np.sum(bp.relu_forward(v) * da), h)
+    assert bp.rel_error(bp.buggy_relu_backward(da, h), numeric) > 0.5
+
+
+@pytest.mark.parametrize("n_in,n_out", LINEAR_SHAPES)
+def test_transposed_weight_gradient_is_caught(n_in, n_out):
+    rng = rng_for(13, n_in, n_out)
+    x, W, dout = rng.standard_normal((13, n_in)), rng.standard_normal((n_out, n_in)), rng.standard_normal((13, n_out))
+    _, dW, _ = bp.buggy_linear_backward(dout, x, W)
+    if n_in != n_out:
+        assert dW.shape != W.shape  # a shape assertion catches it for free
+    else:
+        assert dW.shape == W.shape  # square W: the shape is right, only the values can tell
+        assert bp.rel_error(dW, bp.linear_backward(dout, x, W)[1]) > 0.5
+
+
+def test_softmax_without_max_subtraction_overflows():
+    rng = rng_for(100)
+    logits = (100 + rng.standard_normal((13, N_OUT))).astype(np.float32)  # exp(z) overflows float32 above z ~ 88.7
+    y = rng.integers(0, N_OUT, 13)
+    with pytest.warns(RuntimeWarning, match="overflow"), pytest.warns(RuntimeWarning, match="invalid value"):
+        unstable = bp.buggy_softmax(logits)
+    assert not np.isfinite(unstable).all()  # inf / inf = nan
+
+    # The stable versions stay finite and agree with float64 to float32 precision: each entry goes through a few
+    # roundings of 2^-24 ~ 6e-8; measured 6e-8 (softmax) and 5e-8 (loss), so 1e-6 leaves a margin of ~15x.
+    reference = torch.tensor(logits, dtype=torch.float64)
+    stable = bp.softmax(logits)
+    assert np.isfinite(stable).all()
+    assert bp.rel_error(stable, torch.softmax(reference, dim=1).numpy()) < 1e-6
+    loss = F.cross_entropy(reference, torch.tensor(y)).item()
+    assert abs(bp.softmax_xent_forward(logits, y) - loss) < 1e-6 * abs(loss)
