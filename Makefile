@@ -1,0 +1,87 @@
+# One MNIST MLP, six levels. The two commands of the README:
+#   make compare   set up, fetch MNIST, build and train every level this machine can run, print the table, plot
+#   make test      the whole test suite
+# Levels are listed once, in common/levels.py; here are only the build rules of the native ones.
+
+PYTHON_VERSION_OK := $(shell python3 -c 'import sys; print(sys.version_info >= (3, 10))' 2>/dev/null)
+VENV    := .venv
+PYTHON  ?= $(VENV)/bin/python
+CC      ?= gcc
+NVCC    ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
+CFLAGS  := -O3 -march=native -std=c11 -Wall -Wextra -Wpedantic -Werror -fPIC
+# Fat binary: machine code for A100 (sm_80) and H100/H200 (sm_90), plus PTX that newer GPUs compile at load.
+CUDA_ARCH := -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
+NVFLAGS := -O3 -std=c++17 $(CUDA_ARCH) -Xcompiler -fPIC,-Wall,-Wextra -Werror all-warnings --shared
+
+.PHONY: all compare bench test test-gpu check-memory levels level4 level5 level6 notebooks clean
+
+all: compare
+
+# ---- environment: a virtual environment with everything pyproject.toml lists ----
+# torch is pinned first: 2.13.0 is a CPU build where a local wheel exists, and satisfies pyproject's range.
+$(VENV)/.installed: pyproject.toml
+	@[ "$(PYTHON_VERSION_OK)" = "True" ] || { echo "Python 3.10 or newer is needed as python3"; exit 1; }
+	python3 -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q torch==2.13.0 || $(VENV)/bin/pip install -q torch
+	$(VENV)/bin/pip install -q -e '.[test]'
+	touch $@
+
+venv: $(VENV)/.installed
+.PHONY: venv
+
+# ---- native levels ----
+level4: level4_c/libmlp.so
+level4_c/libmlp.so: level4_c/mlp.c common/mlp.h
+	$(CC) $(CFLAGS) -Icommon -shared -o $@ $< -lm
+
+level5: level5_cuda_naive/libmlp.so
+level5_cuda_naive/libmlp.so: level5_cuda_naive/mlp.cu common/cuda_mlp.cuh common/mlp.h
+	@[ -n "$(NVCC)" ] || { echo "level 5 needs nvcc (the CUDA toolkit)"; exit 1; }
+	$(NVCC) $(NVFLAGS) -Icommon -o $@ $<
+
+# cuBLAS: from the CUDA toolkit when it has it, else from the nvidia-cublas wheel (pip install -e '.[cublas]'),
+# which ships libcublas.so.13 but no unversioned libcublas.so, hence -l: and an rpath to find it at run time.
+CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
+CUBLAS_HOME ?= $(shell if [ -f $(CUDA_HOME)/include/cublas_v2.h ]; then echo $(CUDA_HOME); \
+	else $(PYTHON) -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13"))' 2>/dev/null; fi)
+CUBLAS_LIB = $(firstword $(wildcard $(CUBLAS_HOME)/lib64/libcublas.so $(CUBLAS_HOME)/lib/libcublas.so.13))
+level6: level6_cublas/libmlp.so
+level6_cublas/libmlp.so: level6_cublas/mlp.cu common/cuda_mlp.cuh common/mlp.h
+	@[ -n "$(NVCC)" ] || { echo "level 6 needs nvcc (the CUDA toolkit)"; exit 1; }
+	@[ -n "$(CUBLAS_LIB)" ] || { echo "level 6 needs cuBLAS: the CUDA toolkit's, or run: $(PYTHON) -m pip install -e '.[cublas]'"; exit 1; }
+	$(NVCC) $(NVFLAGS) -Icommon -I$(CUBLAS_HOME)/include -o $@ $< \
+		-L$(dir $(CUBLAS_LIB)) -l:$(notdir $(CUBLAS_LIB)) -Xlinker -rpath,$(dir $(CUBLAS_LIB))
+
+# Every native level this machine can build: level 4 always, 5 and 6 where nvcc is.
+levels: level4 $(if $(NVCC),level5 level6)
+
+# ---- the main job and the tests ----
+compare: $(VENV)/.installed levels
+	$(PYTHON) -m common.compare $(ARGS)
+
+bench: $(VENV)/.installed levels
+	$(PYTHON) -m common.bench $(ARGS)
+
+test: $(VENV)/.installed levels
+	$(PYTHON) -m pytest $(ARGS)
+
+# On the GPU machine: its own python3 (PyTorch with CUDA), no virtual environment; GPU tests may not skip.
+test-gpu:
+	$(MAKE) level4 level5 level6 PYTHON=python3
+	python3 -m pytest --require-gpu $(ARGS)
+
+# The level-4 library driven from C under valgrind (leaks, invalid reads and writes) and under ASan + UBSan.
+check-memory: level4
+	mkdir -p build
+	$(CC) -g -O1 -std=c11 -Wall -Wextra -Icommon -o build/check_memory tests/check_memory.c level4_c/mlp.c -lm
+	valgrind --error-exitcode=1 --leak-check=full --errors-for-leak-kinds=all build/check_memory
+	$(CC) -g -O1 -std=c11 -Wall -Wextra -fsanitize=address,undefined -fno-sanitize-recover=all -Icommon \
+		-o build/check_memory_asan tests/check_memory.c level4_c/mlp.c -lm
+	build/check_memory_asan
+
+notebooks: $(VENV)/.installed levels
+	$(VENV)/bin/jupyter lab
+
+clean:
+	rm -rf level4_c/libmlp.so level5_cuda_naive/libmlp.so level6_cublas/libmlp.so build
