@@ -42,7 +42,8 @@ const char *mlp_last_error(void) { return last_error; }
 
 static int fail(int status, const char *file, int line, const char *fmt, ...) {
     va_list args;
-    int len = snprintf(last_error, sizeof last_error, "%s:%d: ", file, line);
+    const int len = snprintf(last_error, sizeof last_error, "%s:%d: ", file, line);
+    if (len < 0 || (size_t)len >= sizeof last_error) return status; /* the location alone filled the buffer */
     va_start(args, fmt);
     vsnprintf(last_error + len, sizeof last_error - (size_t)len, fmt, args);
     va_end(args);
