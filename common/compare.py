@@ -48,8 +48,8 @@ class Run:
     agrees: bool = True
 
 
-def runs_for(numbers: list[int]) -> list[tuple[Level, str]]:
-    """(level, device) pairs to train: level 1 on the CPU first (the reference), then on CUDA where there is a GPU."""
+def runs_for(numbers: list[int], gpu: bool) -> list[tuple[Level, str]]:
+    """(level, device) pairs to train: level 1 on the CPU first (the reference), then on CUDA if there is a GPU."""
     pairs = []
     for number in numbers:
         lv = level(number)
@@ -57,7 +57,7 @@ def runs_for(numbers: list[int]) -> list[tuple[Level, str]]:
             continue
         if number == 1:
             pairs.append((lv, "cpu"))
-            if gpu_available():
+            if gpu:
                 pairs.append((lv, "cuda"))
         else:
             pairs.append((lv, "cuda" if "gpu" in lv.needs else "cpu"))
@@ -112,9 +112,10 @@ def machine() -> dict[str, str]:
 
 
 def summarize(runs: list[Run], args) -> list[dict]:
-    """One table row per run; speedup is against level 1 on the CPU, measured in this same run."""
+    """One table row per run; speedups are against level 1 on the CPU (and on CUDA, if run), measured in this same run."""
     steps = len(runs[0].losses)
     reference = sum(runs[0].epoch_seconds)
+    torch_gpu = next((sum(r.epoch_seconds) for r in runs if r.level == 1 and r.device == "cuda"), None)
     rows = []
     for run in runs:
         seconds = sum(run.epoch_seconds)
@@ -126,6 +127,7 @@ def summarize(runs: list[Run], args) -> list[dict]:
                 "us_per_step": 1e6 * seconds / steps,
                 "steps_per_s": steps / seconds,
                 "speedup_vs_level1": reference / seconds,
+                "speedup_vs_level1_cuda": torch_gpu / seconds if torch_gpu else None,
                 "gflops": flops_per_step(args.batch, args.hidden) * steps / seconds / 1e9,
                 "final_loss": float(np.mean(run.losses[-max(1, steps // args.epochs) :])),
                 "test_accuracy": run.test_accuracy,
@@ -138,14 +140,19 @@ def summarize(runs: list[Run], args) -> list[dict]:
 
 def print_table(rows: list[dict]) -> None:
     """The table a student reads: speed against level 1, and agreement with it."""
-    head = f"{'level':<16}{'train s':>9}{'us/step':>10}{'steps/s':>10}{'speedup':>9}{'GFLOP/s':>9}{'loss':>9}{'test acc':>10}{'max|dloss|':>12}  check"
+    gpu = any(r["speedup_vs_level1_cuda"] for r in rows)
+    head = (
+        f"{'level':<16}{'train s':>9}{'us/step':>10}{'steps/s':>10}{'vs L1 cpu':>10}{'vs L1 cuda' if gpu else '':>11}"
+        f"{'GFLOP/s':>9}{'loss':>9}{'test acc':>10}{'max|dloss|':>12}  check"
+    )
     print(head)
     print("-" * len(head))
     for r in rows:
+        vs_cuda = f"{r['speedup_vs_level1_cuda']:>10.2f}x" if gpu else f"{'':>11}"
         print(
             f"{r['level']:<16}{r['train_s']:>9.2f}{r['us_per_step']:>10.1f}{r['steps_per_s']:>10.0f}"
-            f"{r['speedup_vs_level1']:>8.2f}x{r['gflops']:>9.2f}{r['final_loss']:>9.4f}{r['test_accuracy']:>10.4f}"
-            f"{r['max_abs_dloss']:>12.2e}  {'ok' if r['agrees'] else 'FAIL'}"
+            f"{r['speedup_vs_level1']:>9.2f}x{vs_cuda}{r['gflops']:>9.2f}{r['final_loss']:>9.4f}"
+            f"{r['test_accuracy']:>10.4f}{r['max_abs_dloss']:>12.2e}  {'ok' if r['agrees'] else 'FAIL'}"
         )
 
 
@@ -217,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     params = init_params(args.seed, args.hidden)
 
     runs: list[Run] = []
-    for lv, device in runs_for(args.levels):
+    for lv, device in runs_for(args.levels, gpu_available()):
         why = missing(lv)
         if why:
             print(f"skipping {lv.name} ({lv.title}): {'; '.join(why)}")

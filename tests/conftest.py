@@ -1,0 +1,76 @@
+"""Shared fixtures: the implementations under test (read from common/levels.py), real MNIST, level 1's reference runs."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import numpy as np
+import pytest
+
+from common.compare import epoch_order, runs_for
+from common.levels import LEVELS, Level, missing
+
+# Every (level, device), GPU ones included (they skip with the reason where there is none).
+ALL = runs_for([lv.number for lv in LEVELS], gpu=True)
+# What the suite checks against level 1 on the CPU, the gold standard.
+IMPLEMENTATIONS = ALL[1:]
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--require-gpu",
+        action="store_true",
+        help="fail, instead of skipping, a GPU test that cannot run (for `make test-gpu` on the GPU machine)",
+    )
+
+
+def implementation_params(pairs=IMPLEMENTATIONS):
+    """pytest.param per (level, device), marked levelN, plus gpu where it runs on one."""
+    params = []
+    for lv, device in pairs:
+        marks = [getattr(pytest.mark, lv.name)] + ([pytest.mark.gpu] if device == "cuda" else [])
+        params.append(pytest.param((lv, device), marks=marks, id=f"{lv.name}-{device}"))
+    return params
+
+
+def require(lv: Level, device: str, config) -> None:
+    """Skip (or, with --require-gpu, fail) when this machine cannot run the level."""
+    why = missing(lv)
+    if device == "cuda" and lv.number == 1:
+        import torch
+
+        why += [] if torch.cuda.is_available() else ["PyTorch sees no CUDA device"]
+    if why:
+        message = f"{lv.name} on {device} cannot run here: {'; '.join(why)}"
+        if device == "cuda" and config.getoption("--require-gpu"):
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+@pytest.fixture
+def factory(impl, request):
+    """factory(params) -> a fresh model of the implementation under test (skips when this machine cannot run it)."""
+    lv, device = impl
+    require(lv, device, request.config)
+    return partial(lv.load(), device=device) if lv.number == 1 else lv.load()
+
+
+def reference(params):
+    """Level 1 on the CPU: the gold standard."""
+    return LEVELS[0].load()(params, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def mnist():
+    """The training images (normalized, read-only) and labels, and the test set, as every level sees them."""
+    from common.data import load_mnist, normalize
+
+    data = load_mnist(quiet=True)
+    return normalize(data.train_images), data.train_labels, normalize(data.test_images), data.test_labels
+
+
+def train(model, X, y, epochs: int, batch: int, lr: float, shuffle: bool = False, seed: int = 0) -> np.ndarray:
+    """Every step's loss over several epochs, in the harness's batch order."""
+    return np.concatenate(
+        [model.train_epoch(X, y, batch, lr, epoch_order(len(X), e, seed, shuffle)) for e in range(epochs)]
+    )

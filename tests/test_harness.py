@@ -1,0 +1,71 @@
+"""The seeded harness: initial weights, batch order, the compare job end to end, and its verdict."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from common import compare
+from common.levels import LEVELS, level, missing
+from common.model import PARAM_NAMES, init_params, param_shapes
+
+pytestmark = pytest.mark.harness
+
+
+def test_same_seed_same_weights_other_seed_other_weights():
+    a, b, c = init_params(7), init_params(7), init_params(8)
+    for name in PARAM_NAMES:
+        np.testing.assert_array_equal(a[name], b[name])
+        assert a[name].dtype == np.float32 and a[name].shape == param_shapes()[name]
+    assert not np.array_equal(a["fc1.weight"], c["fc1.weight"])
+
+
+def test_he_uniform_bounds_and_zero_biases():
+    params = init_params(0, 300)
+    for name, fan_in in (("fc1.weight", 784), ("fc2.weight", 300)):
+        bound = np.sqrt(2 / fan_in)
+        assert np.abs(params[name]).max() <= bound
+        assert np.abs(params[name]).max() > 0.99 * bound  # uniform over the whole range, not a narrower one
+    assert not params["fc1.bias"].any() and not params["fc2.bias"].any()
+
+
+def test_epoch_order_is_in_order_or_a_seeded_permutation():
+    np.testing.assert_array_equal(compare.epoch_order(5, 3, 0, shuffle=False), np.arange(5))
+    first, again = compare.epoch_order(100, 0, 0, True), compare.epoch_order(100, 0, 0, True)
+    np.testing.assert_array_equal(first, again)
+    assert sorted(first) == list(range(100))
+    assert not np.array_equal(first, compare.epoch_order(100, 1, 0, True)), "each epoch its own permutation"
+    assert not np.array_equal(first, compare.epoch_order(100, 0, 1, True)), "each seed its own permutations"
+
+
+def test_every_trainable_level_is_reported_or_skipped_with_a_reason(tmp_path, capsys):
+    numbers = [lv.number for lv in LEVELS if lv.trains]
+    args = ["--levels", ",".join(map(str, numbers)), "--epochs", "2", "--train-size", "100", "--batch", "13"]
+    assert compare.main(args + ["--hidden", "16", "--out", str(tmp_path), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    results = json.loads((tmp_path / "results.json").read_text())
+    labels = [row["level"] for row in results["table"]]
+    for lv in LEVELS:
+        if lv.trains and missing(lv):
+            assert f"skipping {lv.name}" in out
+        elif lv.trains:
+            assert any(label.startswith(f"{lv.name}[") for label in labels), lv.name
+    assert all(row["agrees"] for row in results["table"])
+    assert results["settings"]["batch"] == 13 and "MNIST" in results["data"]
+    assert len(results["runs"][0]["losses"]) == 2 * 8  # 100 images in batches of 13: 7 full steps and one of 9
+    assert (tmp_path / "loss_curves.png").stat().st_size > 0 and (tmp_path / "dloss.png").stat().st_size > 0
+
+
+def test_a_level_that_disagrees_fails_the_job(tmp_path, monkeypatch, capsys):
+    cls = level(3).load()
+    original = cls.train_epoch
+    monkeypatch.setattr(cls, "train_epoch", lambda self, *a, **k: original(self, *a, **k) + 1e-3)
+    assert compare.main(["--levels", "1,3", "--epochs", "1", "--train-size", "64", "--out", str(tmp_path), "--quiet"]) == 1
+    assert "FAIL: level3[cpu]" in capsys.readouterr().out
+
+
+def test_level1_is_required():
+    with pytest.raises(SystemExit):
+        compare.main(["--levels", "3"])

@@ -1,0 +1,164 @@
+"""Every level against level 1, the gold standard: one suite, parametrized over the list in common/levels.py.
+
+Run one chapter with `pytest -m level4`. GPU implementations skip with the reason where there is
+no GPU; `make test-gpu` (pytest --require-gpu) turns those skips into failures.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from common.compare import LOSS_ATOL
+from common.model import PARAM_NAMES, init_params
+from conftest import ALL, implementation_params, reference, train
+
+# Against level 1's own runs: every implementation but level 1 on the CPU itself.
+against_level1 = pytest.mark.parametrize("impl", implementation_params())
+# Against torch autograd written from scratch, or against itself: every implementation, level 1 included.
+every_level = pytest.mark.parametrize("impl", implementation_params(ALL))
+
+# The chapter's run: batch 8, lr 0.01, 10 epochs over the first 10,000 images (all of them offline).
+CHAPTER = {"epochs": 10, "batch": 8, "lr": 0.01}
+# Parameters after a whole run: each of 5,000-12,500 SGD steps adds float32 rounding of ~1e-7 relative
+# to weights of size ~0.1; measured up to 3e-6 (C) after the chapter's run. 5e-5 leaves 10x room, while a
+# missing bias gradient or a wrong mask moves parameters by 1e-3 or more.
+PARAM_ATOL = 5e-5
+# One batch: logits and gradients differ from PyTorch only by float32 summation order, ~1e-7
+# relative over sums of 784 terms; measured below 2e-6. A bug is off by O(1) of the value.
+GRAD_ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def chapter_reference(mnist):
+    """Level 1's losses and final parameters on the chapter's run, computed once for all levels."""
+    X, y = mnist[0][:10_000], mnist[1][:10_000]
+    model = reference(init_params(0))
+    return train(model, X, y, **CHAPTER), model.state_dict()
+
+
+def assert_losses_agree(losses: np.ndarray, expected: np.ndarray) -> None:
+    assert losses.dtype == np.float32
+    assert losses.shape == expected.shape, "a different number of steps: a batch was dropped or added"
+    worst = np.abs(losses - expected).max()
+    assert worst <= LOSS_ATOL, f"max |loss - level 1 loss| = {worst:.3g} > {LOSS_ATOL:g} (step {np.abs(losses - expected).argmax()})"
+
+
+@against_level1
+def test_chapter_run_matches_level1(factory, mnist, chapter_reference):
+    expected_losses, expected_params = chapter_reference
+    X, y = mnist[0][:10_000], mnist[1][:10_000]
+    model = factory(init_params(0))
+    assert_losses_agree(train(model, X, y, **CHAPTER), expected_losses)
+    for name, value in model.state_dict().items():
+        np.testing.assert_allclose(value, expected_params[name], rtol=0, atol=PARAM_ATOL, err_msg=name)
+
+
+@against_level1
+# Odd sizes are where indexing bugs hide: hidden 1 and 37, batch 1 and 13, N not a multiple of the
+# batch (a final partial step), a shuffled order, and a wide hidden layer.
+@pytest.mark.parametrize(
+    "hidden, batch, n, epochs",
+    [(37, 13, 200, 3), (1, 1, 40, 2), (256, 8, 101, 2), (5, 64, 300, 2), (1024, 32, 96, 1)],
+    ids=["h37-b13", "h1-b1", "h256-b8-partial", "h5-b64", "h1024-b32"],
+)
+def test_odd_sizes_match_level1(factory, mnist, hidden, batch, n, epochs):
+    X, y = mnist[0][:n], mnist[1][:n]
+    params = init_params(1, hidden)
+    expected = train(reference(params), X, y, epochs, batch, lr=0.05, shuffle=True)
+    assert_losses_agree(train(factory(params), X, y, epochs, batch, lr=0.05, shuffle=True), expected)
+
+
+def trained_params(hidden: int, mnist) -> dict[str, np.ndarray]:
+    """Parameters after a little training, so that biases and activations are not at their initial zeros."""
+    model = reference(init_params(2, hidden))
+    model.train_epoch(mnist[0][:64], mnist[1][:64], 8, 0.1)
+    return model.state_dict()
+
+
+def torch_loss_and_grads(params, X, y):
+    """The same batch through torch autograd, from scratch (no level code involved)."""
+    p = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
+    h = torch.from_numpy(X) @ p["fc1.weight"].T + p["fc1.bias"]
+    logits = torch.relu(h) @ p["fc2.weight"].T + p["fc2.bias"]
+    loss = torch.nn.functional.cross_entropy(logits, torch.from_numpy(y).long())
+    loss.backward()
+    return loss.item(), {k: v.grad.numpy() for k, v in p.items()}, logits.detach().numpy()
+
+
+@every_level
+@pytest.mark.parametrize("hidden, batch", [(256, 8), (37, 13), (1, 1)])
+def test_loss_grads_and_logits_match_autograd(factory, mnist, hidden, batch):
+    params = trained_params(hidden, mnist)
+    X, y = mnist[0][100 : 100 + batch], mnist[1][100 : 100 + batch]
+    model = factory(params)
+    loss, grads = model.loss_and_grads(X, y)
+    expected_loss, expected_grads, expected_logits = torch_loss_and_grads(params, X, y)
+    assert abs(loss - expected_loss) <= GRAD_ATOL
+    assert set(grads) == set(PARAM_NAMES)
+    for name in PARAM_NAMES:
+        assert grads[name].shape == params[name].shape and grads[name].dtype == np.float32, name
+        np.testing.assert_allclose(grads[name], expected_grads[name], rtol=0, atol=GRAD_ATOL, err_msg=name)
+    np.testing.assert_allclose(model.forward(X), expected_logits, rtol=0, atol=GRAD_ATOL * 10)
+    for name, value in model.state_dict().items():  # loss_and_grads must not update
+        np.testing.assert_array_equal(value, params[name], err_msg=name)
+
+
+@every_level
+def test_large_logits_stay_finite(factory, mnist):
+    """Weights x 40 give logits in the thousands: exp() overflows unless the row max is subtracted first."""
+    params = {k: v * 40 for k, v in trained_params(16, mnist).items()}
+    X, y = mnist[0][:8], mnist[1][:8]
+    loss, grads = factory(params).loss_and_grads(X, y)
+    expected_loss, expected_grads, _ = torch_loss_and_grads(params, X, y)
+    assert np.isfinite(loss) and expected_loss > 100
+    assert abs(loss - expected_loss) <= 1e-6 * expected_loss
+    for name in PARAM_NAMES:
+        scale = np.abs(expected_grads[name]).max()
+        np.testing.assert_allclose(grads[name], expected_grads[name], rtol=0, atol=1e-5 * scale, err_msg=name)
+
+
+@every_level
+def test_relu_gradient_at_exactly_zero_is_zero(factory):
+    """PyTorch's ReLU has slope 0 at h == 0. Zero pixels and zero biases make every h exactly 0: no gradient reaches fc1."""
+    params = init_params(6, 16)
+    X = np.zeros((4, 784), dtype=np.float32)
+    _, grads = factory(params).loss_and_grads(X, np.arange(4))
+    assert not grads["fc1.weight"].any() and not grads["fc1.bias"].any()
+    assert grads["fc2.bias"].any()  # the output layer still learns
+
+
+@every_level
+def test_runs_are_bit_identical(factory, mnist):
+    """No atomics, no races, no uninitialized memory: the same run twice gives the very same bits."""
+    X, y = mnist[0][:500], mnist[1][:500]
+    first = train(factory(init_params(3, 64)), X, y, 2, 16, 0.05, shuffle=True)
+    second = train(factory(init_params(3, 64)), X, y, 2, 16, 0.05, shuffle=True)
+    np.testing.assert_array_equal(first, second)
+
+
+@every_level
+def test_state_dict_is_a_copy_in_pytorch_layout(factory):
+    params = init_params(4, 37)
+    model = factory(params)
+    state = model.state_dict()
+    for name in PARAM_NAMES:
+        assert state[name].dtype == np.float32 and state[name].flags.c_contiguous
+        np.testing.assert_array_equal(state[name], params[name])
+    state["fc1.weight"][:] = 0
+    params["fc1.weight"][:] = 0  # neither the input nor the output may alias the model's memory
+    assert np.abs(model.state_dict()["fc1.weight"]).sum() > 0
+
+
+@against_level1
+def test_data_changed_in_place_is_seen(factory, mnist):
+    """A writeable data set is re-read every epoch: mutating it between epochs must change the result."""
+    X = np.array(mnist[0][:64])
+    y = np.array(mnist[1][:64])
+    model = factory(init_params(5, 16))
+    model.train_epoch(X, y, 8, 0.1)
+    X[:] = 0
+    losses = model.train_epoch(X, y, 8, 0.0)
+    expected = reference(model.state_dict()).train_epoch(X, y, 8, 0.0)
+    assert_losses_agree(losses, expected)
