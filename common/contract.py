@@ -109,16 +109,15 @@ class DataCache:
     fair, best-practice loop for every level. Writeable arrays are checked and uploaded on every call.
     """
 
-    def __init__(self, upload):
-        self._upload = upload  # (X float32, y int32) -> the level's copy
+    def __init__(self):
         self._key: tuple[np.ndarray, np.ndarray] | None = None
         self._copy = None
 
-    def fetch(self, X: np.ndarray, y: np.ndarray):
-        """The level's copy of (X, y), validated and uploaded only when they changed."""
+    def fetch(self, X: np.ndarray, y: np.ndarray, upload):
+        """The level's copy of (X, y), validated and made by upload(X float32, y int32) only when they changed."""
         if self._key is not None and self._key[0] is X and self._key[1] is y and _frozen(X) and _frozen(y):
             return self._copy
         checked_X = check_X(X)
-        copy = self._upload(checked_X, check_y(y, len(checked_X)))
+        copy = upload(checked_X, check_y(y, len(checked_X)))
         self._key, self._copy = ((X, y), copy) if _frozen(X) and _frozen(y) else (None, None)
         return copy

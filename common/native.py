@@ -44,11 +44,11 @@ class NativeMLP:
         self._model = ffi.gc(handle[0], self.lib.mlp_destroy)  # freed when collected, or by close()
         self.hidden = hidden_size(params)
         self._check(self.lib.mlp_set_params(self._handle(), *(_ptr(params[k], "float[]") for k in PARAM_NAMES)))
-        self._data = DataCache(self._upload)
+        self._data = DataCache()  # not given self._upload: a model -> cache -> model cycle would delay freeing GPU memory
 
     def train_epoch(self, X: np.ndarray, y: np.ndarray, batch_size: int, lr: float, order=None) -> np.ndarray:
         """One pass over X in `order`; returns each step's loss, taken before that step's update."""
-        n = self._data.fetch(X, y)
+        n = self._data.fetch(X, y, self._upload)
         order = check_training(n, batch_size, lr, order)
         losses = np.empty(n_steps(len(order), batch_size), dtype=np.float32)
         self._check(

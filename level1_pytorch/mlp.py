@@ -62,11 +62,11 @@ class MLP:
         self.net = Net(hidden_size(check_params(params))).to(self.device)
         self.net.load_state_dict({k: torch.from_numpy(v) for k, v in check_params(params).items()})
         self.optimizer = torch.optim.SGD(self.net.parameters(), lr=0.0)
-        self._data = DataCache(lambda X, y: (_as_tensor(X, self.device), _as_tensor(y, self.device).long()))
+        self._data = DataCache()
 
     def train_epoch(self, X: np.ndarray, y: np.ndarray, batch_size: int, lr: float, order=None) -> np.ndarray:
         """One pass over X in `order`; returns each step's loss, taken before that step's update."""
-        X_dev, y_dev = self._data.fetch(X, y)
+        X_dev, y_dev = self._data.fetch(X, y, self._upload)
         order = torch.from_numpy(check_training(len(X_dev), batch_size, lr, order)).to(self.device).long()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -79,6 +79,10 @@ class MLP:
             self.optimizer.step()
             losses[step] = loss.detach()  # stays on the device: no synchronisation per step
         return losses.cpu().numpy()
+
+    def _upload(self, X: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """The data set on the model's device: one copy for many epochs."""
+        return _as_tensor(X, self.device), _as_tensor(y, self.device).long()
 
     def loss_and_grads(self, X: np.ndarray, y: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
         """Mean cross-entropy of one batch and its gradients; parameters unchanged."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import weakref
 
 import numpy as np
 import pytest
@@ -117,6 +118,15 @@ def test_native_model_after_close_raises(factory):
     for call in (model.close, lambda: model.forward(X), lambda: model.state_dict(), lambda: model.train_epoch(X, y, 4, 0.1)):
         with pytest.raises(NativeError, match="closed"):
             call()
+
+
+def test_a_model_is_freed_as_soon_as_it_is_dropped(factory):
+    """No reference cycles: memory (on a GPU, device memory) comes back with the last reference, not at a later gc."""
+    model = factory(init_params(0, 8))
+    model.train_epoch(X, y, 4, 0.1)
+    ref = weakref.ref(model)
+    del model
+    assert ref() is None
 
 
 def test_a_thousand_models_leak_nothing(factory, impl):
