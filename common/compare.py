@@ -28,10 +28,31 @@ from common.data import load_mnist, normalize
 from common.levels import LEVELS, ROOT, Level, gpu_available, level, missing
 from common.model import HIDDEN, flops_per_step, init_params
 
-# Per-step |loss - level 1's loss| allowed. Measured on the chapter's run (5,000-12,500 steps):
-# NumPy 3e-6, C 8e-6 - float32 sums taken in another order round differently, and SGD carries
-# those differences forward. 1e-4 leaves 10x room; every bug we planted moves losses by 1e-2 or more.
-LOSS_ATOL = 1e-4
+# Per-step |loss - level 1's loss| allowed. Float32 sums taken in another order round differently
+# (1e-7 relative), and SGD carries those differences forward, so they grow with training - in
+# jumps, when a hidden unit near 0 lands on the other side of its ReLU. Hence two bounds:
+#   the first EARLY_STEPS steps, before differences compound: measured <= 1.1e-6 for every level,
+#   GPUs included (the chapter's run, results/h100/chapter); 1e-5 catches any wrong formula at once;
+#   the whole run: measured <= 4.4e-5 after 5,000 steps (level 1 on CUDA against itself on the CPU:
+#   cuBLAS and MKL sum in other orders); 1e-3 leaves room for longer runs, far below the 1e-2 and
+#   more by which every planted bug moves the losses.
+EARLY_STEPS, EARLY_ATOL = 1000, 1e-5
+LOSS_ATOL = 1e-3
+
+
+def disagreement(losses: np.ndarray, reference: np.ndarray) -> str | None:
+    """Why per-step losses disagree with the reference's, or None when they agree within both bounds."""
+    if losses.shape != reference.shape:
+        return f"{len(losses)} steps instead of {len(reference)}: a batch was dropped or added"
+    diff = np.abs(losses.astype(np.float64) - reference)
+    if not np.isfinite(diff).all():
+        return f"non-finite loss at step {np.flatnonzero(~np.isfinite(diff))[0]}"
+    early = diff[:EARLY_STEPS]
+    if early.max() > EARLY_ATOL:
+        return f"|dloss| = {early.max():.3g} > {EARLY_ATOL:g} at step {early.argmax()} (within the first {EARLY_STEPS})"
+    if diff.max() > LOSS_ATOL:
+        return f"|dloss| = {diff.max():.3g} > {LOSS_ATOL:g} at step {diff.argmax()}"
+    return None
 
 
 @dataclass
@@ -45,7 +66,7 @@ class Run:
     epoch_seconds: list[float] = field(default_factory=list)
     test_accuracy: float = 0.0
     max_abs_dloss: float = 0.0
-    agrees: bool = True
+    disagreement: str | None = None
 
 
 def runs_for(numbers: list[int], gpu: bool) -> list[tuple[Level, str]]:
@@ -132,7 +153,7 @@ def summarize(runs: list[Run], args) -> list[dict]:
                 "final_loss": float(np.mean(run.losses[-max(1, steps // args.epochs) :])),
                 "test_accuracy": run.test_accuracy,
                 "max_abs_dloss": run.max_abs_dloss,
-                "agrees": run.agrees,
+                "agrees": run.disagreement is None,
             }
         )
     return rows
@@ -180,7 +201,8 @@ def plot(runs: list[Run], out: Path, title: str) -> None:
     for run in runs[1:]:
         diff = np.abs(np.asarray(run.losses) - reference)
         ax.plot(np.maximum(diff, 1e-10), label=run.label, lw=0.6, alpha=0.8)
-    ax.axhline(LOSS_ATOL, color="red", ls="--", label=f"tolerance {LOSS_ATOL:g}")
+    ax.plot([0, EARLY_STEPS, EARLY_STEPS, len(reference)], [EARLY_ATOL, EARLY_ATOL, LOSS_ATOL, LOSS_ATOL],
+            color="red", ls="--", label="tolerance")
     ax.set(xlabel="step", ylabel=f"|loss - {runs[0].label} loss|", yscale="log", title=f"Agreement - {title}")
     ax.legend()
     fig.tight_layout()
@@ -199,6 +221,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shuffle", action="store_true", help="a seeded permutation per epoch, the same for every level")
+    p.add_argument(
+        "--repeat", action="store_true", help="if the data set is smaller than --train-size, repeat it (for timing)"
+    )
     p.add_argument("--out", type=Path, default=ROOT / "results" / "local", help="folder for results.json and plots")
     p.add_argument("--quiet", action="store_true", help="no progress bars (also when not on a terminal or in CI)")
     args = p.parse_args(argv)
@@ -216,10 +241,15 @@ def main(argv: list[str] | None = None) -> int:
     quiet = args.quiet or bool(os.environ.get("CI")) or not sys.stderr.isatty()
     data = load_mnist(quiet=quiet)
     print(f"data: {data.source}")
-    n = min(args.train_size, len(data.train_images))
+    images, labels = data.train_images, data.train_labels
+    if args.train_size > len(images) and args.repeat:
+        copies = -(-args.train_size // len(images))
+        print(f"NOTE: this data set has {len(images):,} training images: repeating them {copies} times (--repeat)")
+        images, labels = np.tile(images, (copies, 1)), np.tile(labels, copies)
+    n = min(args.train_size, len(images))
     if n < args.train_size:
         print(f"NOTE: asked for {args.train_size:,} training images, this data set has {n:,}: training on {n:,}")
-    X, y = normalize(data.train_images[:n]), data.train_labels[:n]
+    X, y = normalize(images[:n]), labels[:n]
     X_test, y_test = normalize(data.test_images), data.test_labels
     params = init_params(args.seed, args.hidden)
 
@@ -230,35 +260,34 @@ def main(argv: list[str] | None = None) -> int:
             print(f"skipping {lv.name} ({lv.title}): {'; '.join(why)}")
             continue
         runs.append(train(lv, device, params, X, y, X_test, y_test, args, quiet))
-    reference = np.asarray(runs[0].losses)
+    reference = np.asarray(runs[0].losses, dtype=np.float32)
     for run in runs:
-        diff = np.abs(np.asarray(run.losses) - reference) if len(run.losses) == len(reference) else np.array([np.inf])
-        run.max_abs_dloss = float(diff.max())
-        run.agrees = run.max_abs_dloss <= LOSS_ATOL
+        losses = np.asarray(run.losses, dtype=np.float32)
+        run.disagreement = disagreement(losses, reference)
+        run.max_abs_dloss = float(np.abs(losses - reference).max()) if losses.shape == reference.shape else float("inf")
 
     rows = summarize(runs, args)
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "quiet")}
     settings["train_size"] = n
     print(f"\n{n:,} images x {args.epochs} epochs, batch {args.batch}, hidden {args.hidden}, lr {args.lr}, "
-          f"seed {args.seed}{', shuffled' if args.shuffle else ''}; checked against {runs[0].label}, tolerance {LOSS_ATOL:g}\n")
+          f"seed {args.seed}{', shuffled' if args.shuffle else ''}; checked against {runs[0].label}: |dloss| <= {EARLY_ATOL:g} over the first {EARLY_STEPS} steps, <= {LOSS_ATOL:g} over all\n")
     print_table(rows)
     args.out.mkdir(parents=True, exist_ok=True)
     results = {
         "settings": settings,
         "data": data.source,
         "machine": machine(),
-        "tolerance": LOSS_ATOL,
+        "tolerance": {"early_steps": EARLY_STEPS, "early_atol": EARLY_ATOL, "atol": LOSS_ATOL},
         "table": rows,
         "runs": [asdict(run) for run in runs],
     }
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
     plot(runs, args.out, f"{n:,} images, batch {args.batch}, hidden {args.hidden}")
     print(f"\nwrote {args.out / 'results.json'}, loss_curves.png and dloss.png")
-    failed = [run.label for run in runs if not run.agrees]
-    if failed:
-        print(f"FAIL: {', '.join(failed)} disagree with {runs[0].label} by more than {LOSS_ATOL:g}")
-        return 1
-    return 0
+    failed = [run for run in runs if run.disagreement]
+    for run in failed:
+        print(f"FAIL: {run.label} disagrees with {runs[0].label}: {run.disagreement}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
