@@ -57,19 +57,23 @@ level6_cublas/libmlp.so: level6_cublas/mlp.cu common/cuda_mlp.cuh common/mlp.h
 levels: level4 $(if $(NVCC),level5 level6)
 
 # ---- the main job and the tests ----
-compare: $(VENV)/.installed levels
+# With PYTHON=python3 (the GPU machine) the targets use that interpreter as it is, without the venv.
+ENV := $(if $(filter $(VENV)/bin/python,$(PYTHON)),$(VENV)/.installed)
+
+compare: $(ENV) levels
 	$(PYTHON) -m common.compare $(ARGS)
 
-bench: $(VENV)/.installed levels
+bench: $(ENV) levels
 	$(PYTHON) -m common.bench $(ARGS)
 
-test: $(VENV)/.installed levels
+test: $(ENV) levels
 	$(PYTHON) -m pytest $(ARGS)
 
-# On the GPU machine: its own python3 (PyTorch with CUDA), no virtual environment; GPU tests may not skip.
+# On the GPU machine: its own python3 (PyTorch with CUDA), no virtual environment, no network
+# (so not the tests that fetch from PyPI); GPU tests may not skip there.
 test-gpu:
 	$(MAKE) level4 level5 level6 PYTHON=python3
-	python3 -m pytest --require-gpu $(ARGS)
+	python3 -m pytest --require-gpu -m "not pypi" $(ARGS)
 
 # The level-4 library driven from C under valgrind (leaks, invalid reads and writes) and under ASan + UBSan.
 check-memory: level4
@@ -80,7 +84,7 @@ check-memory: level4
 		-o build/check_memory_asan tests/check_memory.c level4_c/mlp.c -lm
 	build/check_memory_asan
 
-notebooks: $(VENV)/.installed levels
+notebooks: $(ENV) levels
 	$(VENV)/bin/jupyter lab
 
 clean:

@@ -26,8 +26,8 @@ from common.model import init_params
 
 PRESETS = {
     "chapter": [],
-    "large-b64": ["--train-size", "60000", "--hidden", "1024", "--batch", "64", "--epochs", "2"],
-    "large-b256": ["--train-size", "60000", "--hidden", "1024", "--batch", "256", "--epochs", "3"],
+    "large-b64": ["--train-size", "60000", "--repeat", "--hidden", "1024", "--batch", "64", "--epochs", "2"],
+    "large-b256": ["--train-size", "60000", "--repeat", "--hidden", "1024", "--batch", "256", "--epochs", "3"],
 }
 README = ROOT / "README.md"
 BEGIN, END = "<!-- results:begin (written by python -m common.bench --report) -->", "<!-- results:end -->"
@@ -79,7 +79,7 @@ def markdown_table(results: dict) -> str:
     where = m.get("gpu", m.get("cpu", "?")) + (f", driver {m['driver']}, CUDA {m['cuda_runtime']}" if "gpu" in m else "")
     lines = [
         f"**{s['train_size']:,} images x {s['epochs']} epochs, batch {s['batch']}, hidden {s['hidden']}** - {where}; "
-        f"data: {results['data'].split(',')[0]}",
+        f"data: {results['data'].split(',')[0]}" + (", repeated to fill the epoch" if s.get("repeat") and "OFFLINE" in results["data"] else ""),
         "",
         "| level | train s | us/step | steps/s | vs level 1 CPU | vs level 1 CUDA | GFLOP/s | test acc | max abs dloss |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",

