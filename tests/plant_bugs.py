@@ -1,0 +1,108 @@
+"""Plant the chapter's classic bugs, one at a time, and show which tests catch each.
+
+    python tests/plant_bugs.py                     # every level this machine can run
+    python tests/plant_bugs.py --levels 5,6 -- --require-gpu   # on the GPU machine; after -- : pytest options
+
+Each bug is a one-line edit applied to a scratch copy of the repository (the working tree is never
+touched), which is then built and tested with `pytest -m levelN`. A bug that no test catches is a
+hole in the test suite: the script exits non-zero. Students can add their own bugs to BUGS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# (level, file, the correct code, the buggy code, what the bug is); a bug of several edits gives tuples.
+BUGS = [
+    (3, "level3_numpy/mlp.py", "        dlogits /= batch\n", "", "gradients not divided by the batch size"),
+    (3, "level3_numpy/mlp.py", "dh = da * (h > 0)", "dh = da * (h >= 0)", "ReLU gradient wrong at exactly 0"),
+    (3, "level3_numpy/mlp.py", "dh = da * (h > 0)", "dh = da * (da > 0)", "ReLU mask taken from the wrong tensor"),
+    (3, "level3_numpy/mlp.py", "db1 = dh.sum(axis=0)", "db1 = np.zeros_like(p['fc1.bias'])", "bias gradient missing"),
+    (3, "level3_numpy/mlp.py", "shifted = logits - logits.max(axis=1, keepdims=True)", "shifted = logits",
+     "softmax without max subtraction"),
+    (3, "level3_numpy/mlp.py", "np.empty(n_steps(len(order), batch_size)", "np.empty(len(order) // batch_size",
+     "final partial batch dropped"),
+    (4, "level4_c/mlp.c", "(probs[r * n_out + o] - onehot) / (float)B;", "(probs[r * n_out + o] - onehot);",
+     "gradients not divided by the batch size"),
+    (4, "level4_c/mlp.c", "            db[o] += g;\n", "", "bias gradient missing"),
+    (4, "level4_c/mlp.c", "dh[i] = h[i] > 0.0f ? da[i] : 0.0f;", "dh[i] = da[i] > 0.0f ? da[i] : 0.0f; (void)h;",
+     "ReLU mask taken from the wrong tensor"),
+    (4, "level4_c/mlp.c", ("float max = row[0];", "        for (int o = 1; o < n_out; o++) max = row[o] > max ? row[o] : max;\n"),
+     ("float max = 0.0f;", ""), "softmax without max subtraction"),
+    (4, "level4_c/mlp.c", "start < n_order; start += batch_size, step++",
+     "start + batch_size <= n_order; start += batch_size, step++", "final partial batch dropped"),
+    (4, "level4_c/mlp.c", "dw_row[k] += g * x_row[k];", "dw[(size_t)k * n_out + o] += g * x_row[k];",
+     "transposed weight index"),
+    (5, "common/cuda_mlp.cuh", "dlogits[i] = (probs[i] - onehot) / (float)B;", "dlogits[i] = (probs[i] - onehot);",
+     "gradients not divided by the batch size"),
+    (5, "level5_cuda_naive/mlp.cu", "if (r >= B || o >= n_out) return;", "if (o >= n_out) return;",
+     "a kernel that ignores its bounds check on a partial batch"),
+    (5, "common/cuda_mlp.cuh", "    max = warp_max(max);\n", "", "softmax max per thread instead of per row"),
+    (6, "level6_cublas/mlp.cu", "&one, w, n_in, x, n_in, &zero, out,", "&one, w, n_in, x, n_out, &zero, out,",
+     "a wrong leading dimension"),
+    (6, "level6_cublas/mlp.cu", "CUBLAS_OP_T, CUBLAS_OP_N, n_out, B, n_in", "CUBLAS_OP_N, CUBLAS_OP_T, n_out, B, n_in",
+     "a swapped transpose flag"),
+    (6, "level6_cublas/mlp.cu", "&one, x, n_in, dout, n_out, &zero, dw,", "&one, x, n_in, dout, n_out, &one, dw,",
+     "beta = 1 instead of 0 on a gradient product"),
+]
+
+
+def scratch_copy() -> Path:
+    """The repository without its environment, history and data (data is linked, not copied)."""
+    target = Path(tempfile.mkdtemp(prefix="plant-")) / "repo"
+    shutil.copytree(ROOT, target, ignore=shutil.ignore_patterns(".venv", ".git", "data", "results", "*.so", "build"))
+    if (ROOT / "data").exists():
+        (target / "data").symlink_to(ROOT / "data")
+    return target
+
+
+def plant(level: int, file: str, good, bad, what: str, pytest_args: list[str]) -> list[str]:
+    """Apply one bug to a scratch copy, build, test; returns the ids of the tests that failed."""
+    repo = scratch_copy()
+    try:
+        path = repo / file
+        text = path.read_text()
+        for old, new in zip(*((good, bad) if isinstance(good, tuple) else ((good,), (bad,)))):
+            if text.count(old) != 1:
+                raise SystemExit(f"{file}: expected exactly one {old!r} to plant '{what}' (the code changed?)")
+            text = text.replace(old, new)
+        path.write_text(text)
+        build = subprocess.run(["make", "-s", f"level{level}", f"PYTHON={sys.executable}"] if level > 3 else ["true"],
+                               cwd=repo, capture_output=True, text=True)
+        if build.returncode:
+            raise SystemExit(f"planting '{what}' broke the build, so no test can judge it:\n{build.stderr}")
+        test = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", f"level{level} and not notebooks",
+             "-rf", *pytest_args], cwd=repo, capture_output=True, text=True, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+        )
+        return [line.split()[1] for line in test.stdout.splitlines() if line.startswith("FAILED")]
+    finally:
+        shutil.rmtree(repo.parent)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--levels", default="3,4", help="comma-separated levels whose bugs to plant")
+    p.add_argument("pytest_args", nargs="*", help="passed on to pytest (after --)")
+    args = p.parse_args()
+    levels = {int(n) for n in args.levels.split(",")}
+    missed = 0
+    for level, file, good, bad, what in (bug for bug in BUGS if bug[0] in levels):
+        failed = plant(level, file, good, bad, what, args.pytest_args)
+        missed += not failed
+        print(f"level {level}: {what}: {'CAUGHT by ' + str(len(failed)) + ' tests' if failed else 'NOT CAUGHT'}")
+        for test in failed:
+            print(f"    {test}")
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
