@@ -25,6 +25,8 @@ $(VENV)/.installed: pyproject.toml
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q torch==2.13.0 || $(VENV)/bin/pip install -q torch
 	$(VENV)/bin/pip install -q -e '.[test]'
+	@# nvcc without the toolkit's cuBLAS (as in CI): the nvidia-cublas wheel, so level 6 builds too.
+	if [ -n "$(NVCC)" ] && [ ! -f "$(CUDA_HOME)/include/cublas_v2.h" ]; then $(VENV)/bin/pip install -q -e '.[cublas]'; fi
 	touch $@
 
 venv: $(VENV)/.installed
