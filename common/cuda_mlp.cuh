@@ -359,7 +359,8 @@ static int check_labels(const int *y, int n, int n_out) {
 
 /* The stream, the level's state, and zeroed parameters and gradients on the device. */
 static int init_model(mlp *m) {
-    CUDA_CHECK(cudaStreamCreate(&m->stream));
+    /* Non-blocking: our stream never waits for work on the legacy default stream (PyTorch's, say). */
+    CUDA_CHECK(cudaStreamCreateWithFlags(&m->stream, cudaStreamNonBlocking));
     const int status = level_create(m);
     if (status) return status;
     const size_t n_w1 = (size_t)m->hidden * m->n_in, n_w2 = (size_t)m->n_out * m->hidden;
