@@ -126,7 +126,7 @@ def test_a_model_is_freed_as_soon_as_it_is_dropped(factory):
     model.train_epoch(X, y, 4, 0.1)
     ref = weakref.ref(model)
     del model
-    assert ref() is None
+    assert ref() is None, f"still referenced by {[type(r).__name__ for r in gc.get_referrers(ref())]}"
 
 
 def test_a_thousand_models_leak_nothing(factory, impl):
