@@ -34,11 +34,11 @@ venv: $(VENV)/.installed
 
 # ---- native levels ----
 level4: level4_c/libmlp.so
-level4_c/libmlp.so: level4_c/mlp.c common/mlp.h
+level4_c/libmlp.so: level4_c/mlp.c common/mlp.h common/mlp_status.h
 	$(CC) $(CFLAGS) -Icommon -shared -o $@ $< -lm
 
 level5: level5_cuda_naive/libmlp.so
-level5_cuda_naive/libmlp.so: level5_cuda_naive/mlp.cu common/cuda_mlp.cuh common/mlp.h
+level5_cuda_naive/libmlp.so: level5_cuda_naive/mlp.cu common/cuda_mlp.cuh common/mlp.h common/mlp_status.h
 	@[ -n "$(NVCC)" ] || { echo "level 5 needs nvcc (the CUDA toolkit)"; exit 1; }
 	$(NVCC) $(NVFLAGS) -Icommon -o $@ $<
 
@@ -49,7 +49,7 @@ CUBLAS_HOME ?= $(shell if [ -f $(CUDA_HOME)/include/cublas_v2.h ]; then echo $(C
 	else $(PYTHON) -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13"))' 2>/dev/null; fi)
 CUBLAS_LIB = $(firstword $(wildcard $(CUBLAS_HOME)/lib64/libcublas.so $(CUBLAS_HOME)/lib/libcublas.so.13))
 level6: level6_cublas/libmlp.so
-level6_cublas/libmlp.so: level6_cublas/mlp.cu common/cuda_mlp.cuh common/mlp.h
+level6_cublas/libmlp.so: level6_cublas/mlp.cu common/cuda_mlp.cuh common/mlp.h common/mlp_status.h
 	@[ -n "$(NVCC)" ] || { echo "level 6 needs nvcc (the CUDA toolkit)"; exit 1; }
 	@[ -n "$(CUBLAS_LIB)" ] || { echo "level 6 needs cuBLAS: the CUDA toolkit's, or run: $(PYTHON) -m pip install -e '.[cublas]'"; exit 1; }
 	$(NVCC) $(NVFLAGS) -Icommon -I$(CUBLAS_HOME)/include -o $@ $< \

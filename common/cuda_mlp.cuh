@@ -20,12 +20,11 @@
 #define CUDA_MLP_CUH
 
 #include "mlp.h"
+#include "mlp_status.h"
 
 #include <cuda_runtime.h>
 
 #include <cmath>
-#include <cstdarg>
-#include <cstdio>
 #include <cstdlib>
 #include <initializer_list>
 
@@ -54,23 +53,6 @@ struct mlp {
     float *losses;                /* (loss_capacity) an epoch's per-step losses, copied back once per epoch */
     int loss_capacity;
 };
-
-/* ---- errors: a status code, and a message kept per thread for mlp_last_error() ---- */
-
-static thread_local char last_error[512];
-
-const char *mlp_last_error(void) { return last_error; }
-
-static int fail(int status, const char *file, int line, const char *fmt, ...) {
-    va_list args;
-    const int len = snprintf(last_error, sizeof last_error, "%s:%d: ", file, line);
-    if (len < 0 || (size_t)len >= sizeof last_error) return status; /* the location alone filled the buffer */
-    va_start(args, fmt);
-    vsnprintf(last_error + len, sizeof last_error - (size_t)len, fmt, args);
-    va_end(args);
-    return status;
-}
-#define FAIL(status, ...) fail(status, __FILE__, __LINE__, __VA_ARGS__)
 
 /* A failed CUDA call: out of device memory is MLP_ERR_ALLOC, anything else MLP_ERR_DEVICE. */
 static int cuda_fail(cudaError_t err, const char *call, const char *file, int line) {
@@ -351,12 +333,6 @@ static int ensure_buffer(T **p, int *capacity, int n) {
     return MLP_OK;
 }
 
-static int check_labels(const int *y, int n, int n_out) {
-    for (int i = 0; i < n; i++)
-        if (y[i] < 0 || y[i] >= n_out) return FAIL(MLP_ERR_ARG, "label y[%d] = %d is outside [0, %d)", i, y[i], n_out);
-    return MLP_OK;
-}
-
 /* The stream, the level's state, and zeroed parameters and gradients on the device. */
 static int init_model(mlp *m) {
     /* Non-blocking: our stream never waits for work on the legacy default stream (PyTorch's, say). */
@@ -527,9 +503,7 @@ int mlp_train_epoch(mlp *m, float *losses, const int *order, int n_order, int ba
     if (m->n_data < 1) return FAIL(MLP_ERR_ARG, "no data set: call mlp_set_data first");
     if (n_order < 1 || batch_size < 1)
         return FAIL(MLP_ERR_ARG, "n_order and batch_size must be >= 1, got %d and %d", n_order, batch_size);
-    for (int i = 0; i < n_order; i++)
-        if (order[i] < 0 || order[i] >= m->n_data)
-            return FAIL(MLP_ERR_ARG, "order[%d] = %d is outside [0, %d)", i, order[i], m->n_data);
+    if (check_order(order, n_order, m->n_data)) return MLP_ERR_ARG;
     const int steps = n_order / batch_size + (n_order % batch_size != 0);
     int status = ensure_capacity(m, batch_size < n_order ? batch_size : n_order);
     if (!status) status = ensure_buffer(&m->order, &m->order_capacity, n_order);

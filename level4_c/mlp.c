@@ -11,10 +11,9 @@
  * No BLAS, no threads, no intrinsics: only the compiler's -O3 -march=native auto-vectorizer.
  */
 #include "mlp.h"
+#include "mlp_status.h"
 
 #include <math.h>
-#include <stdarg.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -33,23 +32,6 @@ struct mlp {
     int *data_y;                  /* (n_data) */
     int n_data;
 };
-
-/* ---- errors: a status code, and a message kept per thread for mlp_last_error() ---- */
-
-static _Thread_local char last_error[512];
-
-const char *mlp_last_error(void) { return last_error; }
-
-static int fail(int status, const char *file, int line, const char *fmt, ...) {
-    va_list args;
-    const int len = snprintf(last_error, sizeof last_error, "%s:%d: ", file, line);
-    if (len < 0 || (size_t)len >= sizeof last_error) return status; /* the location alone filled the buffer */
-    va_start(args, fmt);
-    vsnprintf(last_error + len, sizeof last_error - (size_t)len, fmt, args);
-    va_end(args);
-    return status;
-}
-#define FAIL(status, ...) fail(status, __FILE__, __LINE__, __VA_ARGS__)
 
 /* ---- the layers: each forward followed by its backward ---- */
 
@@ -189,12 +171,6 @@ static int ensure_capacity(mlp *m, int rows) {
     return MLP_OK;
 }
 
-static int check_labels(const int *y, int n, int n_out) {
-    for (int i = 0; i < n; i++)
-        if (y[i] < 0 || y[i] >= n_out) return FAIL(MLP_ERR_ARG, "label y[%d] = %d is outside [0, %d)", i, y[i], n_out);
-    return MLP_OK;
-}
-
 /* ---- the interface of mlp.h ---- */
 
 int mlp_create(mlp **out, int n_in, int hidden, int n_out) {
@@ -300,9 +276,7 @@ int mlp_train_epoch(mlp *m, float *losses, const int *order, int n_order, int ba
     if (m->n_data < 1) return FAIL(MLP_ERR_ARG, "no data set: call mlp_set_data first");
     if (n_order < 1 || batch_size < 1)
         return FAIL(MLP_ERR_ARG, "n_order and batch_size must be >= 1, got %d and %d", n_order, batch_size);
-    for (int i = 0; i < n_order; i++)
-        if (order[i] < 0 || order[i] >= m->n_data)
-            return FAIL(MLP_ERR_ARG, "order[%d] = %d is outside [0, %d)", i, order[i], m->n_data);
+    if (check_order(order, n_order, m->n_data)) return MLP_ERR_ARG;
     int status = ensure_capacity(m, batch_size < n_order ? batch_size : n_order);
     if (status) return status;
     for (int start = 0, step = 0; start < n_order; start += batch_size, step++) {

@@ -1,0 +1,51 @@
+/* mlp_status.h - how every implementation of mlp.h reports failure, written once for C and CUDA:
+ * a status code returned, and a message kept per thread for mlp_last_error(), with the file and
+ * line that failed. Also the checks of host data that every level makes before it trusts it.
+ * Included by level4_c/mlp.c and common/cuda_mlp.cuh (once per library).
+ */
+#ifndef MLP_STATUS_H
+#define MLP_STATUS_H
+
+#include "mlp.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+
+#ifdef __cplusplus
+#define MLP_THREAD_LOCAL thread_local
+#else
+#define MLP_THREAD_LOCAL _Thread_local
+#endif
+
+static MLP_THREAD_LOCAL char last_error[512];
+
+const char *mlp_last_error(void) { return last_error; }
+
+static int fail(int status, const char *file, int line, const char *fmt, ...) {
+    va_list args;
+    const int len = snprintf(last_error, sizeof last_error, "%s:%d: ", file, line);
+    if (len < 0 || (size_t)len >= sizeof last_error) return status; /* the location alone filled the buffer */
+    va_start(args, fmt);
+    vsnprintf(last_error + len, sizeof last_error - (size_t)len, fmt, args);
+    va_end(args);
+    return status;
+}
+/* return FAIL(MLP_ERR_ARG, "n must be >= 1, got %d", n); records where and why, returns the status. */
+#define FAIL(status, ...) fail(status, __FILE__, __LINE__, __VA_ARGS__)
+
+/* Labels y (n) must be classes in [0, n_out): an out-of-range label would index past a row. */
+static int check_labels(const int *y, int n, int n_out) {
+    for (int i = 0; i < n; i++)
+        if (y[i] < 0 || y[i] >= n_out) return FAIL(MLP_ERR_ARG, "label y[%d] = %d is outside [0, %d)", i, y[i], n_out);
+    return MLP_OK;
+}
+
+/* An epoch's order (n_order) must index rows of the data set (n_data). */
+static int check_order(const int *order, int n_order, int n_data) {
+    for (int i = 0; i < n_order; i++)
+        if (order[i] < 0 || order[i] >= n_data)
+            return FAIL(MLP_ERR_ARG, "order[%d] = %d is outside [0, %d)", i, order[i], n_data);
+    return MLP_OK;
+}
+
+#endif /* MLP_STATUS_H */
