@@ -1,0 +1,130 @@
+"""Helpers the chapter notebooks share: show the real code, train a small run with the harness, show results.
+
+Each chapter prints the code it discusses from the level's own source, so prose and code cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+import tempfile
+from pathlib import Path
+
+from common import compare
+from common.levels import ROOT, gpu_available
+
+# What a brace counter must step over in C: comments and string or character literals (they may hold braces).
+_C_TOKENS = re.compile(r"/\*.*?\*/|//[^\n]*|\"(?:\\.|[^\"\\\n])*\"|'(?:\\.|[^'\\\n])*'|[{};]", re.S)
+BENCH = "measured on a GPU machine with `make bench` (python -m common.bench) and committed"
+
+
+def show_source(obj) -> None:
+    """Print a Python object's source, as the tests run it."""
+    print(inspect.getsource(obj))
+
+
+def c_function(path: str | Path, name: str) -> tuple[int, str]:
+    """(line, text) of the C/CUDA function, kernel, struct or macro `name`, from its leading comment to its end."""
+    text = (ROOT / path).read_text()
+    # A definition starts in column 0 (calls are indented); a prototype meets a ';' before any '{'.
+    for match in re.finditer(rf"^(#define\s+|(?![\s#])[^\n;{{}}=()]*?\b){re.escape(name)}\b\s*[({{]", text, re.M):
+        end = match.start()
+        if match.group(1).startswith("#define"):  # up to the first line without a continuation backslash
+            while text[end : text.find("\n", end)].endswith("\\"):
+                end = text.find("\n", end) + 1
+            return _with_leading_comment(text, match.start(), text.find("\n", end))
+        depth = 0
+        for token in _C_TOKENS.finditer(text, match.start()):
+            if token.group() == ";" and depth == 0:
+                break
+            depth += {"{": 1, "}": -1}.get(token.group(), 0)
+            if token.group() == "}" and depth == 0:
+                return _with_leading_comment(text, match.start(), text.find("\n", token.end()))
+    raise LookupError(f"no definition of {name!r} in {path} (was it renamed?)")
+
+
+def _with_leading_comment(text: str, start: int, end: int) -> tuple[int, str]:
+    """Extend text[start:end] back over a `template <...>` line and the comment right above it (no blank line)."""
+    end = len(text) if end < 0 else end
+    above = text.rfind("\n", 0, start - 1) + 1
+    if text[above:start].startswith("template"):
+        start = above
+    if text[:start].rstrip(" \t").endswith("*/\n"):
+        opening = text.rfind("/*", 0, start)
+        line_start = text.rfind("\n", 0, opening) + 1
+        if not text[line_start:opening].strip():  # the comment starts its line: it is not a trailing one
+            start = line_start
+    while start and text[text.rfind("\n", 0, start - 1) + 1 : start].lstrip().startswith("//"):
+        start = text.rfind("\n", 0, start - 1) + 1
+    return text.count("\n", 0, start) + 1, text[start:end]
+
+
+def show_c_function(path: str | Path, name: str) -> None:
+    """Print one C/CUDA definition (path relative to the repository root), headed by where it is."""
+    line, code = c_function(path, name)
+    print(f"// {path}, line {line}\n{code}\n")
+
+
+def small_run(levels: list[int], epochs: int = 2, train_size: int = 1000, batch: int = 8, hidden: int = 256,
+              out: str | Path | None = None) -> dict:
+    """Train `levels` with the harness (it skips, saying why, those this machine cannot run); its results."""
+    folder = ROOT / out if out else Path(tempfile.mkdtemp(prefix="chapter-"))
+    compare.main(["--levels", ",".join(map(str, levels)), "--epochs", str(epochs), "--train-size", str(train_size),
+                  "--batch", str(batch), "--hidden", str(hidden), "--out", str(folder), "--quiet"])
+    return load_results(folder)
+
+
+def load_results(folder: str | Path) -> dict | None:
+    """A folder's results.json (relative to the repository root) plus its "folder"; None, saying why, if absent."""
+    folder = ROOT / folder
+    if not (folder / "results.json").exists():
+        shown = folder.relative_to(ROOT) if folder.is_relative_to(ROOT) else folder
+        print(f"No results in {shown}/ yet: they are {BENCH}. This cell shows them once they are there.")
+        return None
+    return {**json.loads((folder / "results.json").read_text()), "folder": str(folder)}
+
+
+def show_results(results: dict | str | Path, plots: bool = True) -> None:
+    """Print a run's settings, machine, tolerance and table; display its loss curves and |Δloss| plots inline."""
+    from IPython.display import Image, display
+
+    if not isinstance(results, dict) and (results := load_results(results)) is None:
+        return
+    s, m = results["settings"], results["machine"]
+    gpu = f"{m['gpu']} (driver {m.get('driver', '?')}, CUDA {m.get('cuda_runtime', '?')}) + " if "gpu" in m else ""
+    tolerance = ", ".join(f"{k.replace('_', ' ')} {v:g}" for k, v in results["tolerance"].items())
+    print(f"{s['train_size']:,} images x {s['epochs']} epochs, batch {s['batch']}, hidden {s['hidden']}, lr {s['lr']}\n"
+          f"machine: {gpu}{m.get('cpu', '?')}\ndata: {results['data']}\ntolerance (common/compare.py): {tolerance}\n")
+    compare.print_table(results["table"])
+    for name in ("loss_curves.png", "dloss.png") if plots else ():
+        if (Path(results["folder"]) / name).exists():
+            display(Image(filename=str(Path(results["folder"]) / name)))
+
+
+def show_side_by_side(folders: list[str], key: str = "gflops") -> None:
+    """Print one column of several runs' tables side by side (by default GFLOP/s, comparable across sizes)."""
+    runs = {Path(f).name: r for f in folders if (r := load_results(f))}
+    if not runs:
+        return
+    print(f"{key:<16}" + "".join(f"{name:>14}" for name in runs))
+    print(f"{'batch, hidden':<16}" + "".join(f"{r['settings']['batch']:>8}, {r['settings']['hidden']:>4}" for r in runs.values()))
+    for label in dict.fromkeys(row["level"] for r in runs.values() for row in r["table"]):
+        rows = [next((row for row in r["table"] if row["level"] == label), None) for r in runs.values()]
+        print(f"{label:<16}" + "".join(f"{row[key]:>14.2f}" if row else f"{'-':>14}" for row in rows))
+
+
+def show_profile(path: str = "results/h100/profile.json") -> None:
+    """Print where a GPU step's time goes (common.bench's profile): time in kernels, kernels per step, the rest."""
+    if not (ROOT / path).exists():
+        print(f"No {path} yet: it is {BENCH}.")
+        return
+    print(f"{'implementation':<16}{'batch':>6}{'us/step':>10}{'in kernels':>12}{'kernels':>9}{'the rest':>10}")
+    for r in json.loads((ROOT / path).read_text()):
+        print(f"{r['level']:<16}{r['batch']:>6}{r['wall_us_per_step']:>10.1f}{r['kernel_us_per_step']:>12.1f}"
+              f"{r['launches_per_step']:>9.0f}{r['other_us_per_step']:>10.1f}")
+
+
+def gpu_here() -> bool:
+    """True when this machine has an NVIDIA GPU that the GPU levels can use."""
+    return gpu_available()
