@@ -1,6 +1,6 @@
 """Plant the chapter's classic bugs, one at a time, and show which tests catch each.
 
-    python tests/plant_bugs.py                     # every level this machine can run
+    python tests/plant_bugs.py                     # the CPU levels: 1, 3 and 4
     python tests/plant_bugs.py --levels 5,6 -- --require-gpu   # on the GPU machine; after -- : pytest options
 
 Each bug is a one-line edit applied to a scratch copy of the repository (the working tree is never
@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # (level, file, the correct code, the buggy code, what the bug is); a bug of several edits gives tuples.
 BUGS = [
+    (1, "level1_pytorch/mlp.py", "            self.optimizer.zero_grad()\n", "", "gradients never zeroed between steps"),
     (3, "level3_numpy/mlp.py", "        dlogits /= batch\n", "", "gradients not divided by the batch size"),
     (3, "level3_numpy/mlp.py", "dh = da * (h > 0)", "dh = da * (h >= 0)", "ReLU gradient wrong at exactly 0"),
     (3, "level3_numpy/mlp.py", "dh = da * (h > 0)", "dh = da * (da > 0)", "ReLU mask taken from the wrong tensor"),
@@ -92,7 +93,7 @@ def plant(level: int, file: str, good, bad, what: str, pytest_args: list[str]) -
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--levels", default="3,4", help="comma-separated levels whose bugs to plant")
+    p.add_argument("--levels", default="1,3,4", help="comma-separated levels whose bugs to plant")
     p.add_argument("pytest_args", nargs="*", help="passed on to pytest (after --)")
     args = p.parse_args()
     levels = {int(n) for n in args.levels.split(",")}

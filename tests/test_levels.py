@@ -106,6 +106,20 @@ def test_loss_grads_and_logits_match_autograd(factory, mnist, hidden, batch):
 
 
 @every_level
+def test_training_steps_match_autograd_and_sgd_from_scratch(factory, mnist):
+    """Level 1 is checked too: 12 steps of its train_epoch against autograd and p -= lr * grad written out here."""
+    params = trained_params(37, mnist)
+    X, y = mnist[0][:93], mnist[1][:93]  # 93 = 7 x 13 + 2: the last step is a batch of 2
+    losses = factory(params).train_epoch(X, y, 13, 0.1)
+    expected = []
+    for start in range(0, len(X), 13):
+        loss, grads, _ = torch_loss_and_grads(params, X[start : start + 13], y[start : start + 13])
+        params = {k: v - np.float32(0.1) * grads[k] for k, v in params.items()}
+        expected.append(loss)
+    np.testing.assert_allclose(losses, expected, rtol=0, atol=GRAD_ATOL)
+
+
+@every_level
 def test_large_logits_stay_finite(factory, mnist):
     """Weights x 40 give logits in the thousands: exp() overflows unless the row max is subtracted first."""
     params = {k: v * 40 for k, v in trained_params(16, mnist).items()}
