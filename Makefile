@@ -13,7 +13,7 @@ CFLAGS  := -O3 -march=native -std=c11 -Wall -Wextra -Wpedantic -Werror -fPIC
 CUDA_ARCH := -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
 NVFLAGS := -O3 -std=c++17 $(CUDA_ARCH) -Xcompiler -fPIC,-Wall,-Wextra -Werror all-warnings --shared
 
-.PHONY: all compare bench test test-gpu check-memory levels level4 level5 level6 notebooks clean
+.PHONY: all compare bench test test-gpu check-memory check-memory-gpu levels level4 level5 level6 notebooks clean
 
 all: compare
 
@@ -85,6 +85,14 @@ check-memory: level4
 	$(CC) -g -O1 -std=c11 -Wall -Wextra -fsanitize=address,undefined -fno-sanitize-recover=all -Icommon \
 		-o build/check_memory_asan tests/check_memory.c level4_c/mlp.c -lm
 	build/check_memory_asan
+
+# On the GPU machine: the level-5 and level-6 tests under compute-sanitizer memcheck, device leaks included.
+# --show-backtrace no: with backtraces, the sanitizer keeps the Python frames of every allocation alive,
+# and with them the models, which it then reports as leaked at exit.
+check-memory-gpu:
+	$(MAKE) level5 level6 PYTHON=python3
+	compute-sanitizer --tool memcheck --leak-check full --show-backtrace no --error-exitcode 1 \
+		python3 -m pytest -q --require-gpu -m "(level5 or level6) and not notebooks" $(ARGS)
 
 notebooks: $(ENV) levels
 	$(VENV)/bin/jupyter lab

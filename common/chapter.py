@@ -115,14 +115,15 @@ def show_side_by_side(folders: list[str], key: str = "gflops") -> None:
 
 
 def show_profile(path: str = "results/h100/profile.json") -> None:
-    """Print where a GPU step's time goes (common.bench's profile): time in kernels, kernels per step, the rest."""
+    """Show where a GPU step's time goes (common.bench's profile): GPU busy time, launches, the rest, busiest kernels."""
+    from IPython.display import Markdown, display
+
+    from common.bench import profile_markdown
+
     if not (ROOT / path).exists():
         print(f"No {path} yet: it is {BENCH}.")
         return
-    print(f"{'implementation':<16}{'batch':>6}{'us/step':>10}{'in kernels':>12}{'kernels':>9}{'the rest':>10}")
-    for r in json.loads((ROOT / path).read_text()):
-        print(f"{r['level']:<16}{r['batch']:>6}{r['wall_us_per_step']:>10.1f}{r['kernel_us_per_step']:>12.1f}"
-              f"{r['launches_per_step']:>9.0f}{r['other_us_per_step']:>10.1f}")
+    display(Markdown(profile_markdown(json.loads((ROOT / path).read_text()))))
 
 
 def gpu_here() -> bool:

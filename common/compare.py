@@ -248,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.train_size > len(images) and args.repeat:
         copies = -(-args.train_size // len(images))
         print(f"NOTE: this data set has {len(images):,} training images: repeating them {copies} times (--repeat)")
-        images, labels = np.tile(images, (copies, 1)), np.tile(labels, copies)
+        images, labels = np.tile(images, (copies, 1)).copy(), np.tile(labels, copies).copy()  # copies own their memory
+        images.flags.writeable = labels.flags.writeable = False  # read-only like the originals: uploaded once
     n = min(args.train_size, len(images))
     if n < args.train_size:
         print(f"NOTE: asked for {args.train_size:,} training images, this data set has {n:,}: training on {n:,}")

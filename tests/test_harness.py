@@ -69,3 +69,15 @@ def test_a_level_that_disagrees_fails_the_job(tmp_path, monkeypatch, capsys):
 def test_level1_is_required():
     with pytest.raises(SystemExit):
         compare.main(["--levels", "3"])
+
+
+def test_repeated_data_set_stays_read_only(tmp_path, monkeypatch):
+    """--repeat must hand the levels read-only arrays too, or every GPU level re-uploads the data set each epoch."""
+    seen = []
+    cls = level(3).load()
+    original = cls.train_epoch
+    monkeypatch.setattr(cls, "train_epoch", lambda self, X, y, *a, **k: seen.append((X, y)) or original(self, X, y, *a, **k))
+    args = ["--levels", "1,3", "--epochs", "1", "--train-size", "9000", "--repeat", "--batch", "500"]
+    assert compare.main(args + ["--out", str(tmp_path), "--quiet"]) == 0
+    X, y = seen[0]
+    assert len(X) == 9000 and not X.flags.writeable and not y.flags.writeable and not y.base.flags.writeable
