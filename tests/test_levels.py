@@ -176,3 +176,40 @@ def test_data_changed_in_place_is_seen(factory, mnist):
     losses = model.train_epoch(X, y, 8, 0.0)
     expected = reference(model.state_dict()).train_epoch(X, y, 8, 0.0)
     assert_losses_agree(losses, expected)
+
+
+# What the memcheck run below drives: partial batches (200 = 15 x 13 + 5, and batch 1), a forward pass
+# across FORWARD_CHUNK (1,030 = 1,024 + 6 rows), odd hidden sizes: wherever a kernel's bounds check matters.
+MEMCHECK_SCRIPT = """
+import numpy as np, {package}
+from common.model import init_params
+rng = np.random.default_rng(0)
+X = rng.standard_normal((1030, 784)).astype(np.float32)
+y = rng.integers(0, 10, 1030)
+for hidden, batch in ((37, 13), (1, 1), (256, 8)):
+    model = {package}.MLP(init_params(0, hidden))
+    model.train_epoch(X[:200], y[:200], batch, 0.1)
+    model.forward(X)
+    model.loss_and_grads(X[:13], y[:13])
+"""
+
+
+@every_level
+def test_kernels_stay_in_bounds_under_memcheck(impl, factory):
+    """An out-of-bounds read or write need not change a single loss; compute-sanitizer sees every one."""
+    import shutil
+    import subprocess
+    import sys
+
+    lv, device = impl
+    if device != "cuda" or lv.number == 1:
+        pytest.skip("only our own CUDA kernels need this check")
+    sanitizer = shutil.which("compute-sanitizer") or shutil.which("/usr/local/cuda/bin/compute-sanitizer")
+    if sanitizer is None:
+        pytest.skip("compute-sanitizer (CUDA toolkit) not found")
+    run = subprocess.run(
+        [sanitizer, "--tool", "memcheck", "--error-exitcode", "1", sys.executable, "-c",
+         MEMCHECK_SCRIPT.format(package=lv.package)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
