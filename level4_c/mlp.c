@@ -35,16 +35,17 @@ struct mlp {
 
 /* ---- the layers: each forward followed by its backward ---- */
 
-/* Eight partial sums are eight independent SIMD lanes: without them, each addition would wait
- * for the one before it, and the compiler may not reorder a float sum on its own. */
+/* Sixteen partial sums are sixteen independent SIMD lanes (one AVX-512 register, or two AVX2 ones):
+ * without them each addition would wait for the one before it, and the compiler may not reorder a
+ * float sum on its own. */
 static float dot(const float *u, const float *v, int n) {
-    float lanes[8] = {0};
+    float lanes[16] = {0};
     int k = 0;
-    for (; k + 8 <= n; k += 8)
-        for (int l = 0; l < 8; l++) lanes[l] += u[k + l] * v[k + l];
+    for (; k + 16 <= n; k += 16)
+        for (int l = 0; l < 16; l++) lanes[l] += u[k + l] * v[k + l];
     float sum = 0.0f;
     for (; k < n; k++) sum += u[k] * v[k];
-    for (int l = 0; l < 8; l++) sum += lanes[l];
+    for (int l = 0; l < 16; l++) sum += lanes[l];
     return sum;
 }
 
