@@ -14,6 +14,9 @@ from common.levels import LEVELS, Level, missing
 ALL = runs_for([lv.number for lv in LEVELS], gpu=True)
 # What the suite checks against level 1 on the CPU, the gold standard.
 IMPLEMENTATIONS = ALL[1:]
+# The levels with a native library (C and CUDA), and of those the ones whose kernels are ours.
+NATIVE = [pair for pair in ALL if pair[0].library]
+OWN_KERNELS = [pair for pair in NATIVE if pair[1] == "cuda"]
 
 
 def pytest_addoption(parser):

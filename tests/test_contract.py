@@ -10,9 +10,9 @@ import pytest
 
 from common.model import init_params
 from common.native import NativeError, NativeMLP
-from conftest import ALL, implementation_params
+from conftest import ALL, NATIVE, implementation_params
 
-pytestmark = pytest.mark.parametrize("impl", implementation_params(ALL))
+every_level = pytest.mark.parametrize("impl", implementation_params(ALL))
 
 rng = np.random.default_rng(0)
 X = rng.standard_normal((16, 784)).astype(np.float32)
@@ -37,6 +37,7 @@ BAD_X = [
 ]
 
 
+@every_level
 @pytest.mark.parametrize("bad, error, words", BAD_X)
 def test_bad_X_is_refused_by_every_method(factory, bad, error, words):
     model = factory(init_params(0, 8))
@@ -57,6 +58,7 @@ BAD_Y = [
 ]
 
 
+@every_level
 @pytest.mark.parametrize("bad, error, words", BAD_Y)
 def test_bad_labels_are_refused(factory, bad, error, words):
     model = factory(init_params(0, 8))
@@ -66,6 +68,7 @@ def test_bad_labels_are_refused(factory, bad, error, words):
         model.train_epoch(X, bad, 4, 0.1)
 
 
+@every_level
 @pytest.mark.parametrize(
     "batch_size, lr, order, words",
     [
@@ -85,6 +88,7 @@ def test_bad_training_arguments_are_refused(factory, batch_size, lr, order, word
         factory(init_params(0, 8)).train_epoch(X, y, batch_size, lr, order)
 
 
+@every_level
 @pytest.mark.parametrize(
     "change, error, words",
     [
@@ -102,6 +106,7 @@ def test_bad_params_are_refused(factory, change, error, words):
         factory(params)
 
 
+@every_level
 def test_labels_as_int64_and_params_as_float64_are_converted(factory):
     """The documented conversions: integer labels of any width, floating params of any width."""
     params = {k: v.astype(np.float64) for k, v in init_params(0, 8).items()}
@@ -110,16 +115,17 @@ def test_labels_as_int64_and_params_as_float64_are_converted(factory):
     assert loss == loss32
 
 
+@pytest.mark.parametrize("impl", implementation_params(NATIVE))
 def test_native_model_after_close_raises(factory):
     model = factory(init_params(0, 8))
-    if not isinstance(model, NativeMLP):
-        pytest.skip("only the native levels own memory that can be freed early")
+    assert isinstance(model, NativeMLP)
     model.close()
     for call in (model.close, lambda: model.forward(X), lambda: model.state_dict(), lambda: model.train_epoch(X, y, 4, 0.1)):
         with pytest.raises(NativeError, match="closed"):
             call()
 
 
+@every_level
 def test_a_model_is_freed_as_soon_as_it_is_dropped(factory):
     """No reference cycles: memory (on a GPU, device memory) comes back with the last reference, not at a later gc."""
     model = factory(init_params(0, 8))
@@ -129,11 +135,9 @@ def test_a_model_is_freed_as_soon_as_it_is_dropped(factory):
     assert ref() is None, f"still referenced by {[type(r).__name__ for r in gc.get_referrers(ref())]}"
 
 
+@pytest.mark.parametrize("impl", implementation_params(NATIVE))
 def test_a_thousand_models_leak_nothing(factory, impl):
     """Create and free models in a loop: neither the process nor the GPU may grow (one leaked buffer is ~1 MB a model)."""
-    model = factory(init_params(0, 256))
-    if not isinstance(model, NativeMLP):
-        pytest.skip("only the native levels manage their own memory")
     params = init_params(0, 256)
 
     def cycle(count: int) -> None:
