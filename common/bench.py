@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from collections import Counter
@@ -92,10 +93,12 @@ def markdown_table(results: dict) -> str:
     """One preset's table, as the README shows it."""
     s = results["settings"]
     m = results["machine"]
-    where = m.get("gpu", m.get("cpu", "?")) + (f", driver {m['driver']}, CUDA {m['cuda_runtime']}" if "gpu" in m else "")
+    where = f"{m.get('cpu', '?')}, {m.get('cpu_count', '?')} cores"
+    if "gpu" in m:
+        where = f"{m['gpu']} (driver {m['driver']}, CUDA {m['cuda_runtime']}); CPU levels on the host: {where}"
     lines = [
         f"**{s['train_size']:,} images x {s['epochs']} epochs, batch {s['batch']}, hidden {s['hidden']}** - {where}; "
-        f"data: {results['data'].split(',')[0]}" + (", repeated to fill the epoch" if s.get("repeat") and "OFFLINE" in results["data"] else ""),
+        f"data: {results['data'].rsplit(', ', 1)[0]}" + (", repeated to fill the epoch" if s.get("repeat") and "OFFLINE" in results["data"] else ""),
         "",
         "| level | train s | us/step | steps/s | vs level 1 CPU | vs level 1 CUDA | GFLOP/s | test acc | max abs dloss |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -110,6 +113,12 @@ def markdown_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def kernel_name(signature: str) -> str:
+    """A kernel's name without return type, namespaces' noise, template and call arguments."""
+    name = signature.removeprefix("void ").replace("(anonymous namespace)::", "").replace("at::native::", "")
+    return re.split(r"[(<]", name)[0][:40]
+
+
 def profile_markdown(rows: list[dict]) -> str:
     """The profile as a markdown table."""
     lines = [
@@ -117,7 +126,7 @@ def profile_markdown(rows: list[dict]) -> str:
         "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
-        busiest = ", ".join(f"`{name.split('(')[0][:32]}` {us:.1f}" for name, us in r["top_kernels"])
+        busiest = ", ".join(f"`{kernel_name(name)}` {us:.1f}" for name, us in r["top_kernels"])
         lines.append(
             f"| {r['level']} | {r['batch']} | {r['hidden']} | {r['wall_us_per_step']:.1f} | {r['kernel_us_per_step']:.1f} | "
             f"{r['launches_per_step']:.0f} | {r['other_us_per_step']:.1f} | {busiest} |"
