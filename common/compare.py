@@ -46,7 +46,7 @@ def tolerance(steps: int) -> np.ndarray:
 
 
 def disagreement(losses: np.ndarray, reference: np.ndarray) -> str | None:
-    """Why per-step losses disagree with the reference's, or None when they agree within both bounds."""
+    """Why per-step losses disagree with the reference's, or None when every step is within tolerance()."""
     if losses.shape != reference.shape:
         return f"{len(losses)} steps instead of {len(reference)}: a batch was dropped or added"
     diff = np.abs(losses.astype(np.float64) - reference)
@@ -264,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"skipping {lv.name} ({lv.title}): {'; '.join(why)}")
             continue
         runs.append(train(lv, device, params, X, y, X_test, y_test, args, quiet))
+    if not runs or runs[0].label != "level1[cpu]":
+        raise SystemExit("level 1 on the CPU must run: it is the reference every level is checked against")
     reference = np.asarray(runs[0].losses, dtype=np.float32)
     for run in runs:
         losses = np.asarray(run.losses, dtype=np.float32)
@@ -273,8 +275,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = summarize(runs, args)
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "quiet")}
     settings["train_size"] = n
-    print(f"\n{n:,} images x {args.epochs} epochs, batch {args.batch}, hidden {args.hidden}, lr {args.lr}, "
-          f"seed {args.seed}{', shuffled' if args.shuffle else ''}; checked against {runs[0].label}: |dloss| <= {TOL_START:g} + {TOL_GROWTH:g} x step, at most {TOL_MAX:g}\n")
+    print(
+        f"\n{n:,} images x {args.epochs} epochs, batch {args.batch}, hidden {args.hidden}, lr {args.lr}, seed {args.seed}"
+        f"{', shuffled' if args.shuffle else ''}; checked against {runs[0].label}: "
+        f"|dloss| <= {TOL_START:g} + {TOL_GROWTH:g} x step, at most {TOL_MAX:g}\n"
+    )
     print_table(rows)
     args.out.mkdir(parents=True, exist_ok=True)
     results = {

@@ -33,7 +33,8 @@ from typing import IO, Iterator
 import numpy as np
 from tqdm import tqdm
 
-ROOT = Path(__file__).resolve().parent.parent
+from common.levels import ROOT
+
 DATA_DIR = ROOT / "data"
 
 MIRRORS = (

@@ -58,9 +58,10 @@ class MLP:
         torch.backends.cuda.matmul.allow_tf32 = False  # full float32: TF32 would change losses at 1e-3
         torch.backends.cudnn.allow_tf32 = False
         torch.use_deterministic_algorithms(True)
+        params = check_params(params)
         self.device = torch.device(device)
-        self.net = Net(hidden_size(check_params(params))).to(self.device)
-        self.net.load_state_dict({k: torch.from_numpy(v) for k, v in check_params(params).items()})
+        self.net = Net(hidden_size(params)).to(self.device)
+        self.net.load_state_dict({k: torch.from_numpy(v) for k, v in params.items()})
         self.optimizer = torch.optim.SGD(self.net.parameters(), lr=0.0)
         self._data = DataCache()
 
