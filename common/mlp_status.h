@@ -40,8 +40,12 @@ static int check_labels(const int *y, int n, int n_out) {
     return MLP_OK;
 }
 
-/* An epoch's order (n_order) must index rows of the data set (n_data). */
-static int check_order(const int *order, int n_order, int n_data) {
+/* An epoch's arguments: a data set to train on, sizes >= 1, and an order (n_order) whose every
+ * entry indexes a row of the data set (n_data). */
+static int check_epoch(const int *order, int n_order, int batch_size, int n_data) {
+    if (n_data < 1) return FAIL(MLP_ERR_ARG, "no data set: call mlp_set_data first");
+    if (n_order < 1 || batch_size < 1)
+        return FAIL(MLP_ERR_ARG, "n_order and batch_size must be >= 1, got %d and %d", n_order, batch_size);
     for (int i = 0; i < n_order; i++)
         if (order[i] < 0 || order[i] >= n_data)
             return FAIL(MLP_ERR_ARG, "order[%d] = %d is outside [0, %d)", i, order[i], n_data);

@@ -274,11 +274,9 @@ int mlp_set_data(mlp *m, const float *x, const int *y, int n) {
 
 int mlp_train_epoch(mlp *m, float *losses, const int *order, int n_order, int batch_size, float lr) {
     if (!m || !losses || !order) return FAIL(MLP_ERR_ARG, "NULL argument");
-    if (m->n_data < 1) return FAIL(MLP_ERR_ARG, "no data set: call mlp_set_data first");
-    if (n_order < 1 || batch_size < 1)
-        return FAIL(MLP_ERR_ARG, "n_order and batch_size must be >= 1, got %d and %d", n_order, batch_size);
-    if (check_order(order, n_order, m->n_data)) return MLP_ERR_ARG;
-    int status = ensure_capacity(m, batch_size < n_order ? batch_size : n_order);
+    int status = check_epoch(order, n_order, batch_size, m->n_data);
+    if (status) return status;
+    status = ensure_capacity(m, batch_size < n_order ? batch_size : n_order);
     if (status) return status;
     for (int start = 0, step = 0; start < n_order; start += batch_size, step++) {
         const int B = n_order - start < batch_size ? n_order - start : batch_size;
