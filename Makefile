@@ -6,7 +6,6 @@
 PYTHON_VERSION_OK := $(shell python3 -c 'import sys; print(sys.version_info >= (3, 10))' 2>/dev/null)
 VENV    := .venv
 PYTHON  ?= $(VENV)/bin/python
-CC      ?= gcc
 NVCC    ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
 CFLAGS  := -O3 -march=native -std=c11 -Wall -Wextra -Wpedantic -Werror -fPIC
 # Fat binary: machine code for A100 (sm_80) and H100/H200 (sm_90), plus PTX that newer GPUs compile at load.

@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
 
     runs: list[Run] = []
     for lv, device in runs_for(args.levels, gpu_available()):
-        why = missing(lv)
+        why = missing(lv, device)
         if why:
             print(f"skipping {lv.name} ({lv.title}): {'; '.join(why)}")
             continue

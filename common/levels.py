@@ -72,13 +72,13 @@ def gpu_available() -> bool:
         return bool(smi) and subprocess.run([smi, "-L"], capture_output=True).returncode == 0
 
 
-def missing(lv: Level) -> list[str]:
-    """Why this machine cannot run the level (empty when it can)."""
+def missing(lv: Level, device: str = "cpu") -> list[str]:
+    """Why this machine cannot run the level on `device` (empty when it can); level 1 runs on either."""
     why = []
     if "torch" in lv.needs and importlib.util.find_spec("torch") is None:
         why.append("PyTorch is not installed")
     if lv.library and not lv.library_path.exists():
         why.append(f"{lv.library_path.relative_to(ROOT)} is not built: run `make level{lv.number}`")
-    if "gpu" in lv.needs and not gpu_available():
+    if ("gpu" in lv.needs or device == "cuda") and not gpu_available():
         why.append("no NVIDIA GPU is visible on this machine")
     return why

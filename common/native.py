@@ -39,10 +39,10 @@ class NativeMLP:
 
     def __init__(self, params: dict[str, np.ndarray]):
         params = check_params(params)
-        handle = ffi.new("mlp **")
-        self._check(self.lib.mlp_create(handle, N_IN, hidden_size(params), N_OUT))
-        self._model = ffi.gc(handle[0], self.lib.mlp_destroy)  # freed when collected, or by close()
         self.hidden = hidden_size(params)
+        handle = ffi.new("mlp **")
+        self._check(self.lib.mlp_create(handle, N_IN, self.hidden, N_OUT))
+        self._model = ffi.gc(handle[0], self.lib.mlp_destroy)  # freed when collected, or by close()
         self._check(self.lib.mlp_set_params(self._handle(), *(_ptr(params[k], "float[]") for k in PARAM_NAMES)))
         self._data = DataCache()  # not given self._upload: a model -> cache -> model cycle would delay freeing GPU memory
 

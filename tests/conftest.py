@@ -38,11 +38,7 @@ def implementation_params(pairs=IMPLEMENTATIONS):
 
 def require(lv: Level, device: str, config) -> None:
     """Skip (or, with --require-gpu, fail) when this machine cannot run the level."""
-    why = missing(lv)
-    if device == "cuda" and lv.number == 1:
-        import torch
-
-        why += [] if torch.cuda.is_available() else ["PyTorch sees no CUDA device"]
+    why = missing(lv, device)
     if why:
         message = f"{lv.name} on {device} cannot run here: {'; '.join(why)}"
         if device == "cuda" and config.getoption("--require-gpu"):
