@@ -11,7 +11,9 @@ import re
 import tempfile
 from pathlib import Path
 
-from common import compare
+import numpy as np
+
+from common import compare, verify
 from common.levels import ROOT, gpu_available
 
 # What a brace counter must step over in C: comments and string or character literals (they may hold braces).
@@ -68,10 +70,15 @@ def show_c_function(path: str | Path, name: str) -> None:
 
 def small_run(levels: list[int], epochs: int = 2, train_size: int = 1000, batch: int = 8, hidden: int = 256,
               out: str | Path | None = None) -> dict:
-    """Train `levels` with the harness (it skips, saying why, those this machine cannot run); its results."""
+    """Train `levels` with the harness (it skips, saying why, those this machine cannot run); its results.
+
+    Raises when the harness reports a failure, so that a chapter (and its test) cannot show a failed check as a pass.
+    """
     folder = ROOT / out if out else Path(tempfile.mkdtemp(prefix="chapter-"))
-    compare.main(["--levels", ",".join(map(str, levels)), "--epochs", str(epochs), "--train-size", str(train_size),
-                  "--batch", str(batch), "--hidden", str(hidden), "--out", str(folder), "--quiet"])
+    status = compare.main(["--levels", ",".join(map(str, levels)), "--epochs", str(epochs), "--train-size",
+                           str(train_size), "--batch", str(batch), "--hidden", str(hidden), "--out", str(folder), "--quiet"])
+    if status:
+        raise RuntimeError(f"the harness reports a failure (exit status {status}): see the FAIL lines above")
     return load_results(folder)
 
 
@@ -86,18 +93,18 @@ def load_results(folder: str | Path) -> dict | None:
 
 
 def show_results(results: dict | str | Path, plots: bool = True) -> None:
-    """Print a run's settings, machine, tolerance and table; display its loss curves and |Δloss| plots inline."""
+    """Print a run's settings, machine, rules and table; display its free-run and lockstep plots inline."""
     from IPython.display import Image, display
 
     if not isinstance(results, dict) and (results := load_results(results)) is None:
         return
     s, m = results["settings"], results["machine"]
     gpu = f"{m['gpu']} (driver {m.get('driver', '?')}, CUDA {m.get('cuda_runtime', '?')}) + " if "gpu" in m else ""
-    tolerance = ", ".join(f"{k.replace('_', ' ')} {v:g}" for k, v in results["tolerance"].items())
+    rules = ", ".join(f"{k.replace('_', ' ')} {v:g}" for k, v in results["rules"].items())
     print(f"{s['train_size']:,} images x {s['epochs']} epochs, batch {s['batch']}, hidden {s['hidden']}, lr {s['lr']}\n"
-          f"machine: {gpu}{m.get('cpu', '?')}\ndata: {results['data']}\ntolerance (common/compare.py): {tolerance}\n")
+          f"machine: {gpu}{m.get('cpu', '?')}\ndata: {results['data']}\nrules (common/verify.py): {rules}\n")
     compare.print_table(results["table"])
-    for name in ("loss_curves.png", "dloss.png") if plots else ():
+    for name in ("loss_curves.png", "lockstep.png") if plots else ():
         if (Path(results["folder"]) / name).exists():
             display(Image(filename=str(Path(results["folder"]) / name)))
 
@@ -124,6 +131,29 @@ def show_profile(path: str = "results/h100/profile.json") -> None:
         print(f"No {path} yet: it is {BENCH}.")
         return
     display(Markdown(profile_markdown(json.loads((ROOT / path).read_text()))))
+
+
+def first_relu_split(a, b, X, y, batch: int, lr: float, steps: int) -> tuple[dict | None, np.ndarray]:
+    """Train two level-1 models (say float32 and its float64 twin) side by side on the same batches, in order.
+
+    Returns the first ReLU they decide differently - step, image, hidden unit, both pre-activations and float32's
+    rounding bound there - or None within `steps`; and |loss_a - loss_b| at every step taken.
+    """
+    import torch
+
+    gaps, split = [], None
+    for k in range(steps):
+        rows = np.arange(k * batch, (k + 1) * batch, dtype=np.int32)
+        with torch.no_grad():  # the pre-activations each model's own step is about to compute
+            h = [m.net.fc1(torch.from_numpy(X[rows]).to(m.dtype)).double().numpy() for m in (a, b)]
+        differ = np.argwhere((h[0] > 0) != (h[1] > 0))
+        if split is None and len(differ):
+            r, j = differ[0]
+            exact = verify.exact_step(a.state_dict(), X[rows], y[rows], lr)
+            split = {"step": k, "image": int(rows[r]), "unit": int(j), "h_a": h[0][r, j], "h_b": h[1][r, j],
+                     "bound": exact.bound(r, j)}
+        gaps.append(abs(float(a.train_epoch(X, y, batch, lr, rows)[0]) - float(b.train_epoch(X, y, batch, lr, rows)[0])))
+    return split, np.array(gaps)
 
 
 def gpu_here() -> bool:

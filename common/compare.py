@@ -1,12 +1,14 @@
-"""The main job: train every level this machine can run on the same data, from the same weights, and compare.
+"""The main job: train every level this machine can run on the same data, from the same weights, and verify each.
 
     python -m common.compare [--levels 1,3,4] [--epochs 10] [--train-size 10000] [--batch 8] ...
     make compare ARGS="--levels 1,3,4"
 
-Every level gets the same initial weights (common.model.init_params) and visits the same batches
-in the same order. Each is checked against level 1 on the CPU, the gold standard, step by step,
-before its speed is reported. Writes results.json and two plots (loss curves, |Δloss| per step)
-to the output folder, prints one table, and exits non-zero when a level disagrees with level 1.
+Every level gets the same initial weights (common.model.init_params) and visits the same batches in the
+same order. Each level's uninterrupted run is timed; then each is verified against level 1 on the CPU,
+the gold standard, by the two checks of common/verify.py: lockstep at every step of the run, and its
+free run against float32 noise measured by level 1's float64 twin. Writes results.json and two plots
+(loss_curves.png, lockstep.png) to the output folder, prints one table, and exits non-zero when a level
+fails a check or diverges.
 """
 
 from __future__ import annotations
@@ -24,44 +26,17 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from common import verify
 from common.data import load_mnist, normalize
 from common.levels import LEVELS, ROOT, Level, gpu_available, level, missing
 from common.model import HIDDEN, flops_per_step, init_params
 
-# Per-step |loss - level 1's loss| allowed. Float32 sums taken in another order round differently
-# (1e-7 relative), and SGD carries those differences forward, so they grow with training - in
-# jumps, when a hidden unit near 0 lands on the other side of its ReLU. So the bound grows too:
-# 1e-5 at the first step, 2e-7 more each step, at most 1e-3. Measured worst cases on an H100
-# machine (results/h100/*, level 1 on CUDA and levels 3-6 against level 1 on the CPU):
-#   chapter (4,000 images, batch 8):   <= 7e-7 over 1,000 steps, 4.4e-5 at step ~4,300 (bound 8.7e-4);
-#   60,000 x hidden 1024, batch 64:    4.9e-6 by step 200 (bound 5e-5), 3.8e-5 at step 807 (bound 1.7e-4);
-#   60,000 x hidden 1024, batch 256:   <= 1.5e-6 over all 705 steps.
-# Every planted bug (tests/plant_bugs.py) moves the losses by 1e-3 or more within a few steps.
-TOL_START, TOL_GROWTH, TOL_MAX = 1e-5, 2e-7, 1e-3
-
-
-def tolerance(steps: int) -> np.ndarray:
-    """The |dloss| allowed at each of `steps` steps."""
-    return np.minimum(TOL_START + TOL_GROWTH * np.arange(steps), TOL_MAX)
-
-
-def disagreement(losses: np.ndarray, reference: np.ndarray) -> str | None:
-    """Why per-step losses disagree with the reference's, or None when every step is within tolerance()."""
-    if losses.shape != reference.shape:
-        return f"{len(losses)} steps instead of {len(reference)}: a batch was dropped or added"
-    diff = np.abs(losses.astype(np.float64) - reference)
-    if not np.isfinite(diff).all():
-        return f"non-finite loss at step {np.flatnonzero(~np.isfinite(diff))[0]}"
-    bound = tolerance(len(diff))
-    if (diff > bound).any():
-        step = np.flatnonzero(diff > bound)[0]
-        return f"|dloss| = {diff[step]:.3g} > {bound[step]:.3g} allowed at step {step}"
-    return None
+REFERENCE = "level1[cpu]"
 
 
 @dataclass
 class Run:
-    """One level on one device: its per-step losses, its times, its accuracy."""
+    """One level on one device: its free run (losses, times, test predictions) and its verdicts."""
 
     label: str
     level: int
@@ -69,8 +44,10 @@ class Run:
     losses: list[float] = field(default_factory=list)
     epoch_seconds: list[float] = field(default_factory=list)
     test_accuracy: float = 0.0
-    max_abs_dloss: float = 0.0
-    disagreement: str | None = None
+    predictions: np.ndarray | None = None
+    lockstep: dict | None = None  # verify.LockstepRecord.summary()
+    free_run: dict | None = None  # verify.FreeRun
+    failure: str | None = None  # why the level failed, or None
 
 
 def runs_for(numbers: list[int], gpu: bool) -> list[tuple[Level, str]]:
@@ -89,6 +66,11 @@ def runs_for(numbers: list[int], gpu: bool) -> list[tuple[Level, str]]:
     return pairs
 
 
+def make_model(lv: Level, device: str, params, **options):
+    """A fresh model of the level (level 1 takes its device)."""
+    return lv.load()(params, device=device, **options) if lv.number == 1 else lv.load()(params)
+
+
 def epoch_order(n: int, epoch: int, seed: int, shuffle: bool) -> np.ndarray:
     """The visiting order of one epoch: in order, or a seeded permutation - the same for every level."""
     if not shuffle:
@@ -96,20 +78,47 @@ def epoch_order(n: int, epoch: int, seed: int, shuffle: bool) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(n).astype(np.int32)
 
 
-def train(lv: Level, device: str, params, X, y, X_test, y_test, args, quiet: bool) -> Run:
-    """Train one level for args.epochs epochs; time only the training."""
-    options = {"device": device} if lv.number == 1 else {}
-    model = lv.load()(params, **options)
+def train(model, run: Run, X, y, X_test, y_test, orders, args, quiet: bool) -> Run:
+    """The free run: args.epochs epochs, each timed on its own; stops after an epoch whose loss is not finite."""
     model.loss_and_grads(X[: args.batch], y[: args.batch])  # warm-up: CUDA context, cuBLAS handles, caches
-    run = Run(label=f"{lv.name}[{device}]", level=lv.number, device=device)
-    for epoch in tqdm(range(args.epochs), desc=run.label, disable=quiet, leave=False):
-        order = epoch_order(len(X), epoch, args.seed, args.shuffle)
+    for order in tqdm(orders, desc=run.label, disable=quiet, leave=False):
         start = time.perf_counter()
         losses = model.train_epoch(X, y, args.batch, args.lr, order)  # returns host memory: the GPU is done
         run.epoch_seconds.append(time.perf_counter() - start)
         run.losses.extend(losses.tolist())
-    run.test_accuracy = float((model.forward(X_test).argmax(axis=1) == y_test).mean())
+        if not np.isfinite(losses).all():
+            break
+    run.predictions = model.forward(X_test).argmax(axis=1)
+    run.test_accuracy = float((run.predictions == y_test).mean())
     return run
+
+
+def verify_runs(runs: list[Run], twin: Run, params, X, y, y_test, orders, args, quiet: bool) -> None:
+    """Set each run's verdict: diverged, or lockstep and free run against level 1 (runs[0])."""
+    reference = runs[0]
+    for run in runs:
+        if (why := verify.divergence(run.losses, args.lr, X)) is not None:
+            run.failure = why
+    if reference.failure:
+        for run in runs[1:]:
+            run.failure = run.failure or f"not verified: the reference {reference.label} {reference.failure}"
+        return
+    noise = verify.free_run_noise(reference.losses, twin.losses, reference.predictions, twin.predictions, args.epochs)
+    checked = [run for run in runs[1:] if not run.failure]
+    models = {run.label: make_model(level(run.level), run.device, params) for run in checked}
+    records, reference_diverged = verify.lockstep(models, params, X, y, orders, args.batch, args.lr, quiet)
+    for run in checked:
+        record = records[run.label]
+        run.lockstep = {**record.summary(), "record": record}
+        free = verify.check_free_run(run.losses, reference.losses, run.test_accuracy, reference.test_accuracy,
+                                     len(y_test), noise, args.epochs)
+        run.free_run = {**asdict(free), "used": free.used, "noise": noise}
+        if reference_diverged:
+            run.failure = f"not verified: {reference_diverged}"
+        elif record.failure:
+            run.failure = f"lockstep: {record.failure}"
+        elif free.failure:
+            run.failure = f"free run: {free.failure}"
 
 
 def machine() -> dict[str, str]:
@@ -122,10 +131,9 @@ def machine() -> dict[str, str]:
     except (OSError, StopIteration):
         pass
     info["cpu_count"] = str(os.cpu_count())
-    import numpy
     import torch
 
-    info["numpy"], info["torch"] = numpy.__version__, torch.__version__
+    info["numpy"], info["torch"] = np.__version__, torch.__version__
     if gpu_available():
         info["gpu"] = torch.cuda.get_device_name()
         info["cuda_runtime"] = str(torch.version.cuda)
@@ -136,80 +144,118 @@ def machine() -> dict[str, str]:
     return info
 
 
-def summarize(runs: list[Run], args) -> list[dict]:
-    """One table row per run; speedups are against level 1 on the CPU (and on CUDA, if run), measured in this same run."""
-    steps = len(runs[0].losses)
-    reference = sum(runs[0].epoch_seconds)
-    torch_gpu = next((sum(r.epoch_seconds) for r in runs if r.level == 1 and r.device == "cuda"), None)
+def summarize(runs: list[Run], args, steps_per_epoch: int) -> list[dict]:
+    """One table row per run. Times are the median epoch (one disturbed epoch cannot move a ratio); speedups are
+    against level 1 on the CPU (and on CUDA, if run), measured in this same run."""
+    def median_epoch(run: Run) -> float:
+        return float(np.median(run.epoch_seconds))
+
+    reference = median_epoch(runs[0])
+    torch_gpu = next((median_epoch(r) for r in runs if r.level == 1 and r.device == "cuda"), None)
     rows = []
     for run in runs:
-        seconds = sum(run.epoch_seconds)
-        rows.append(
-            {
-                "level": run.label,
-                "device": run.device,
-                "train_s": seconds,
-                "us_per_step": 1e6 * seconds / steps,
-                "steps_per_s": steps / seconds,
-                "speedup_vs_level1": reference / seconds,
-                "speedup_vs_level1_cuda": torch_gpu / seconds if torch_gpu else None,
-                "gflops": flops_per_step(args.batch, args.hidden) * steps / seconds / 1e9,
-                "final_loss": float(np.mean(run.losses[-max(1, steps // args.epochs) :])),
-                "test_accuracy": run.test_accuracy,
-                "max_abs_dloss": run.max_abs_dloss,
-                "agrees": run.disagreement is None,
-            }
-        )
+        epoch = median_epoch(run)
+        rows.append({
+            "level": run.label,
+            "device": run.device,
+            "train_s": float(sum(run.epoch_seconds)),
+            "epoch_s_median": epoch,
+            "epoch_s_spread": [float(min(run.epoch_seconds)), float(max(run.epoch_seconds))],
+            "us_per_step": 1e6 * epoch / steps_per_epoch,
+            "steps_per_s": steps_per_epoch / epoch,
+            "speedup_vs_level1": reference / epoch,
+            "speedup_vs_level1_cuda": torch_gpu / epoch if torch_gpu else None,
+            "gflops": flops_per_step(args.batch, args.hidden) * steps_per_epoch / epoch / 1e9,
+            "final_loss": float(np.mean(run.losses[-steps_per_epoch:])),
+            "test_accuracy": run.test_accuracy,
+            "lockstep_used": run.lockstep["max_used"] if run.lockstep else None,
+            "ties": len(run.lockstep["ties"]) if run.lockstep else None,
+            "free_run_used": run.free_run["used"] if run.free_run else None,
+            "agrees": run.failure is None,
+            "failure": run.failure,
+        })
     return rows
 
 
+def _share(value) -> str:
+    return f"{value:.2f}" if value is not None else "-"
+
+
 def print_table(rows: list[dict]) -> None:
-    """The table a student reads: speed against level 1, and agreement with it."""
+    """The table a student reads: speed against level 1, and the two checks against it.
+
+    lockstep and free run: the largest share of its tolerance a level used (1.00 = at the limit; above: FAIL).
+    """
     gpu = any(r["speedup_vs_level1_cuda"] for r in rows)
     head = (
         f"{'level':<16}{'train s':>9}{'us/step':>10}{'steps/s':>10}{'vs L1 cpu':>10}{'vs L1 cuda' if gpu else '':>11}"
-        f"{'GFLOP/s':>9}{'loss':>9}{'test acc':>10}{'max|dloss|':>12}  check"
+        f"{'GFLOP/s':>9}{'loss':>9}{'test acc':>10}{'lockstep':>10}{'ties':>6}{'free run':>10}  check"
     )
     print(head)
     print("-" * len(head))
     for r in rows:
         vs_cuda = f"{r['speedup_vs_level1_cuda']:>10.2f}x" if gpu else f"{'':>11}"
+        check = "ok" if r["agrees"] else ("DIVERGED" if "diverged" in (r["failure"] or "") else "FAIL")
         print(
             f"{r['level']:<16}{r['train_s']:>9.2f}{r['us_per_step']:>10.1f}{r['steps_per_s']:>10.0f}"
             f"{r['speedup_vs_level1']:>9.2f}x{vs_cuda}{r['gflops']:>9.2f}{r['final_loss']:>9.4f}"
-            f"{r['test_accuracy']:>10.4f}{r['max_abs_dloss']:>12.2e}  {'ok' if r['agrees'] else 'FAIL'}"
+            f"{r['test_accuracy']:>10.4f}{_share(r['lockstep_used']):>10}{r['ties'] if r['ties'] is not None else '-':>6}"
+            f"{_share(r['free_run_used']):>10}  {check}"
         )
 
 
-def plot(runs: list[Run], out: Path, title: str) -> None:
-    """loss_curves.png (every level overlaid) and dloss.png (|Δloss| vs level 1, log scale)."""
+def plot(runs: list[Run], twin: Run, out: Path, title: str, epochs: int) -> None:
+    """loss_curves.png (the free runs, and their per-epoch means against the band) and lockstep.png."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     window = 50
-    fig, ax = plt.subplots(figsize=(9, 5))
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 8))
     for i, run in enumerate(runs):
         losses = np.asarray(run.losses)
         smooth = np.convolve(losses, np.ones(window) / window, mode="valid") if len(losses) > window else losses
-        ax.plot(smooth, label=run.label, lw=2.5 - 0.3 * i, alpha=0.8)
-    ax.set(xlabel="step", ylabel=f"loss (mean of {window} steps)", title=f"Loss curves - {title}", yscale="log")
-    ax.legend()
+        top.plot(smooth, label=run.label, lw=2.5 - 0.3 * i, alpha=0.8)
+    top.set(xlabel="step", ylabel=f"loss (mean of {window} steps)", title=f"Free runs - {title}", yscale="log")
+    top.legend()
+    reference = verify.epoch_means(runs[0].losses, epochs)
+    x = np.arange(epochs)
+    band = next((np.asarray(r.free_run["band"]) for r in runs[1:] if r.free_run and r.free_run["band"]), None)
+    if band is not None:
+        bottom.fill_between(x, -band, band, color="red", alpha=0.12, label="allowed (band)")
+    bottom.plot(x, verify.epoch_means(twin.losses, epochs) - reference, "k--", lw=1, label="float64 twin (the noise)")
+    for run in runs[1:]:
+        if len(run.losses) == len(runs[0].losses):
+            bottom.plot(x, verify.epoch_means(run.losses, epochs) - reference, "o-", ms=4, lw=1, label=run.label)
+    bottom.axhline(0, color="gray", lw=0.5)
+    bottom.set(xlabel="epoch", ylabel=f"mean loss - {runs[0].label}'s", title="Per-epoch mean loss against level 1")
+    bottom.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "loss_curves.png", dpi=120)
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(9, 5))
-    reference = np.asarray(runs[0].losses)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 8), sharex=True)
     for run in runs[1:]:
-        diff = np.abs(np.asarray(run.losses) - reference)
-        ax.plot(np.maximum(diff, 1e-10), label=run.label, lw=0.6, alpha=0.8)
-    ax.plot(tolerance(len(reference)), color="red", ls="--", label="tolerance")
-    ax.set(xlabel="step", ylabel=f"|loss - {runs[0].label} loss|", yscale="log", title=f"Agreement - {title}")
-    ax.legend()
+        record = run.lockstep and run.lockstep["record"]
+        if not record or not record.used:
+            continue
+        steps = np.arange(len(record.used))
+        line = top.plot(steps, np.maximum(np.max(record.update_err, axis=1), 1e-9), lw=0.4, alpha=0.7, label=run.label)
+        bottom.plot(steps, record.used, lw=0.4, alpha=0.7, color=line[0].get_color(), label=run.label)
+        tie_steps = sorted({t.step for t in record.ties})
+        if tie_steps:
+            top.plot(tie_steps, np.max(np.asarray(record.update_err)[tie_steps], axis=1), "x",
+                     color=line[0].get_color(), ms=7, label=f"{run.label}: ReLU ties")
+    top.set(ylabel="||update - level 1's|| / ||level 1's||\n(largest tensor)", yscale="log",
+            title=f"Lockstep: every step from level 1's parameters - {title}")
+    if top.lines:
+        top.legend(fontsize=8)
+    bottom.axhline(1, color="red", ls="--", label="the tolerance")
+    bottom.set(xlabel="step", ylabel="share of the tolerance used\n(loss or any tensor)", yscale="log")
+    bottom.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "dloss.png", dpi=120)
+    fig.savefig(out / "lockstep.png", dpi=120)
     plt.close(fig)
 
 
@@ -230,13 +276,42 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=ROOT / "results" / "local", help="folder for results.json and plots")
     p.add_argument("--quiet", action="store_true", help="no progress bars (also when not on a terminal or in CI)")
     args = p.parse_args(argv)
-    args.levels = [int(n) for n in args.levels.split(",")]
+    try:
+        args.levels = [int(n) for n in args.levels.split(",")]
+    except ValueError:
+        p.error(f"--levels takes comma-separated level numbers, e.g. 1,3,4; got {args.levels!r}")
+    if unknown := [n for n in args.levels if n not in [lv.number for lv in LEVELS]]:
+        p.error(f"no level {unknown[0]}: the levels are {','.join(str(lv.number) for lv in LEVELS)}")
     if 1 not in args.levels:
         p.error("level 1 is the gold standard every level is checked against: include it in --levels")
     for name in ("epochs", "train_size", "batch", "hidden"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.seed < 0:
+        p.error(f"--seed must be >= 0 (NumPy's seeds are), got {args.seed}")
+    if not (np.isfinite(args.lr) and args.lr >= 0):
+        p.error(f"--lr must be a finite number >= 0, got {args.lr}")
+    try:  # before the training, not after it
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / ".writable").touch()
+        (args.out / ".writable").unlink()
+    except OSError as e:
+        p.error(f"--out {args.out}: cannot write there ({e.strerror or e})")
     return args
+
+
+def training_set(data, args) -> tuple[np.ndarray, np.ndarray, int]:
+    """X, y of the first --train-size images (repeated with --repeat when the set is smaller), and N."""
+    images, labels = data.train_images, data.train_labels
+    if args.train_size > len(images) and args.repeat:
+        copies = -(-args.train_size // len(images))
+        print(f"NOTE: this data set has {len(images):,} training images: repeating them {copies} times (--repeat)")
+        images, labels = np.tile(images, (copies, 1)), np.tile(labels, copies)
+        labels.flags.writeable = False  # read-only like the originals: the data set is uploaded once
+    n = min(args.train_size, len(images))
+    if n < args.train_size:
+        print(f"NOTE: asked for {args.train_size:,} training images, this data set has {n:,}: training on {n:,}")
+    return normalize(images[:n]), labels[:n], n
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -244,59 +319,68 @@ def main(argv: list[str] | None = None) -> int:
     quiet = args.quiet or bool(os.environ.get("CI")) or not sys.stderr.isatty()
     data = load_mnist(quiet=quiet)
     print(f"data: {data.source}")
-    images, labels = data.train_images, data.train_labels
-    if args.train_size > len(images) and args.repeat:
-        copies = -(-args.train_size // len(images))
-        print(f"NOTE: this data set has {len(images):,} training images: repeating them {copies} times (--repeat)")
-        images, labels = np.tile(images, (copies, 1)).copy(), np.tile(labels, copies).copy()  # copies own their memory
-        images.flags.writeable = labels.flags.writeable = False  # read-only like the originals: uploaded once
-    n = min(args.train_size, len(images))
-    if n < args.train_size:
-        print(f"NOTE: asked for {args.train_size:,} training images, this data set has {n:,}: training on {n:,}")
-    X, y = normalize(images[:n]), labels[:n]
+    X, y, n = training_set(data, args)
     X_test, y_test = normalize(data.test_images), data.test_labels
     params = init_params(args.seed, args.hidden)
+    orders = [epoch_order(n, epoch, args.seed, args.shuffle) for epoch in range(args.epochs)]
 
     runs: list[Run] = []
     for lv, device in runs_for(args.levels, gpu_available()):
-        why = missing(lv, device)
-        if why:
+        if why := missing(lv, device):
             print(f"skipping {lv.name} ({lv.title}): {'; '.join(why)}")
             continue
-        runs.append(train(lv, device, params, X, y, X_test, y_test, args, quiet))
-    if not runs or runs[0].label != "level1[cpu]":
-        raise SystemExit("level 1 on the CPU must run: it is the reference every level is checked against")
-    reference = np.asarray(runs[0].losses, dtype=np.float32)
-    for run in runs:
-        losses = np.asarray(run.losses, dtype=np.float32)
-        run.disagreement = disagreement(losses, reference)
-        run.max_abs_dloss = float(np.abs(losses - reference).max()) if losses.shape == reference.shape else float("inf")
+        run = Run(f"{lv.name}[{device}]", lv.number, device)
+        runs.append(train(make_model(lv, device, params), run, X, y, X_test, y_test, orders, args, quiet))
+    if not runs or runs[0].label != REFERENCE:
+        raise SystemExit(f"{REFERENCE} must run: it is the reference every level is checked against")
+    twin = train(make_model(level(1), "cpu", params, dtype="float64"), Run("level1[cpu, float64]", 1, "cpu"),
+                 X, y, X_test, y_test, orders, args, quiet)
+    verify_runs(runs, twin, params, X, y, y_test, orders, args, quiet)
 
-    rows = summarize(runs, args)
-    settings = {k: v for k, v in vars(args).items() if k not in ("out", "quiet")}
-    settings["train_size"] = n
+    steps_per_epoch = -(-n // args.batch)
+    rows = summarize(runs, args, steps_per_epoch)
     print(
         f"\n{n:,} images x {args.epochs} epochs, batch {args.batch}, hidden {args.hidden}, lr {args.lr}, seed {args.seed}"
-        f"{', shuffled' if args.shuffle else ''}; checked against {runs[0].label}: "
-        f"|dloss| <= {TOL_START:g} + {TOL_GROWTH:g} x step, at most {TOL_MAX:g}\n"
+        f"{', shuffled' if args.shuffle else ''}; verified against {REFERENCE}: lockstep at every step, "
+        f"free run against float32 noise (common/verify.py)\n"
     )
     print_table(rows)
-    args.out.mkdir(parents=True, exist_ok=True)
+    settings = {k: v for k, v in vars(args).items() if k not in ("out", "quiet")}
+    settings["train_size"] = n
     results = {
         "settings": settings,
         "data": data.source,
         "machine": machine(),
-        "tolerance": {"start": TOL_START, "growth_per_step": TOL_GROWTH, "max": TOL_MAX},
+        "rules": {"yardstick": verify.YARDSTICK, "loss_rtol": verify.LOSS_RTOL, "loss_atol": verify.LOSS_ATOL,
+                  "free_k": verify.FREE_K, "free_floor": verify.FREE_FLOOR, "accuracy_floor_images": verify.ACC_FLOOR},
         "table": rows,
-        "runs": [asdict(run) for run in runs],
+        "runs": [_for_json(run) for run in runs + [twin]],
     }
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
-    plot(runs, args.out, f"{n:,} images, batch {args.batch}, hidden {args.hidden}")
-    print(f"\nwrote {args.out / 'results.json'}, loss_curves.png and dloss.png")
-    failed = [run for run in runs if run.disagreement]
+    plot(runs, twin, args.out, f"{n:,} images, batch {args.batch}, hidden {args.hidden}", args.epochs)
+    print(f"\nwrote {args.out / 'results.json'}, loss_curves.png and lockstep.png")
+    for run in runs:
+        record = run.lockstep and run.lockstep["record"]
+        for tie in (record.ties if record else [])[:5]:
+            print(f"tie: {run.label} at step {tie.step}, hidden unit {tie.unit}, image {tie.image}: exact "
+                  f"pre-activation {tie.h:.2g}, within float32's reach of 0 ({tie.bound:.2g}); its ReLU went the "
+                  "other way from level 1's")
+    failed = [run for run in runs if run.failure]
     for run in failed:
-        print(f"FAIL: {run.label} disagrees with {runs[0].label}: {run.disagreement}")
+        print(f"FAIL: {run.label} {run.failure}" if "diverged" not in run.failure else f"DIVERGED: {run.label} {run.failure}")
     return 1 if failed else 0
+
+
+def _for_json(run: Run) -> dict:
+    """A run as results.json keeps it: no per-step arrays (the plots show them), no predictions."""
+    return {
+        "label": run.label, "level": run.level, "device": run.device, "steps": len(run.losses),
+        "epoch_seconds": run.epoch_seconds, "epoch_means": verify.epoch_means(run.losses, len(run.epoch_seconds)).tolist()
+        if len(run.losses) % max(len(run.epoch_seconds), 1) == 0 else None,
+        "test_accuracy": run.test_accuracy,
+        "lockstep": {k: v for k, v in run.lockstep.items() if k != "record"} if run.lockstep else None,
+        "free_run": run.free_run, "failure": run.failure,
+    }
 
 
 if __name__ == "__main__":

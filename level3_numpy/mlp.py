@@ -48,6 +48,10 @@ class MLP:
         """float32 copies of the parameters."""
         return {name: p.copy() for name, p in self.params.items()}
 
+    def load_state_dict(self, params: dict[str, np.ndarray]) -> None:
+        """Replace the parameters (same hidden size)."""
+        self.params = check_params(params, len(self.params["fc1.bias"]))
+
     def _forward(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """x (B, 784) -> h (B, H), a (B, H), logits (B, 10); h and a are kept for the backward pass."""
         p = self.params

@@ -59,6 +59,11 @@ def reference(params):
     return LEVELS[0].load()(params, device="cpu")
 
 
+def twin(params):
+    """Level 1's float64 twin: the yardstick of float32 noise for free runs (common/verify.py)."""
+    return LEVELS[0].load()(params, device="cpu", dtype="float64")
+
+
 @pytest.fixture(scope="session")
 def mnist():
     """The training images (normalized, read-only) and labels, and the test set, as every level sees them."""

@@ -163,3 +163,35 @@ def used_mb(on_gpu: bool) -> float:
         return (total - free) / 2**20
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096 / 2**20
+
+
+@every_level
+@pytest.mark.parametrize(
+    "change, error, words",
+    [
+        (lambda p: p.pop("fc1.bias"), ValueError, "keys"),
+        (lambda p: p.update({k: v[:4] if k.startswith("fc1") else v[:, :4] if k == "fc2.weight" else v for k, v in p.items()}),
+         ValueError, "shape"),  # a model of 4 hidden units into one of 8
+        (lambda p: p["fc1.weight"].__setitem__((0, 0), np.nan), ValueError, "NaN or infinity"),
+        (lambda p: p.update({"fc2.bias": p["fc2.bias"].astype(np.int32)}), TypeError, "floating"),
+    ],
+    ids=["missing-key", "other-hidden-size", "nan", "integer"],
+)
+def test_load_state_dict_refuses_bad_params_and_keeps_the_old_ones(factory, change, error, words):
+    model = factory(init_params(0, 8))
+    params = init_params(1, 8)
+    change(params)
+    with pytest.raises(error, match=words):
+        model.load_state_dict(params)
+    np.testing.assert_array_equal(model.state_dict()["fc1.weight"], init_params(0, 8)["fc1.weight"])
+
+
+@every_level
+def test_load_state_dict_replaces_the_parameters(factory):
+    model = factory(init_params(0, 8))
+    model.train_epoch(X, y, 4, 0.1)
+    model.load_state_dict(init_params(1, 8))
+    for name, value in model.state_dict().items():
+        np.testing.assert_array_equal(value, init_params(1, 8)[name], err_msg=name)
+    loss, _ = model.loss_and_grads(X, y)
+    assert loss == factory(init_params(1, 8)).loss_and_grads(X, y)[0]

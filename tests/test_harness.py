@@ -54,8 +54,12 @@ def test_every_trainable_level_is_reported_or_skipped_with_a_reason(tmp_path, ca
             assert any(label.startswith(f"{lv.name}[") for label in labels), lv.name
     assert all(row["agrees"] for row in results["table"])
     assert results["settings"]["batch"] == 13 and "MNIST" in results["data"]
-    assert len(results["runs"][0]["losses"]) == 2 * 8  # 100 images in batches of 13: 7 full steps and one of 9
-    assert (tmp_path / "loss_curves.png").stat().st_size > 0 and (tmp_path / "dloss.png").stat().st_size > 0
+    assert results["runs"][0]["steps"] == 2 * 8  # 100 images in batches of 13: 7 full steps and one of 9
+    for run in results["runs"][1:-1]:  # every level but the reference (first) and its float64 twin (last)
+        assert run["lockstep"]["steps"] == 16 and run["lockstep"]["failure"] is None
+        assert run["free_run"]["failure"] is None and len(run["free_run"]["band"]) == 2
+    assert results["runs"][-1]["label"] == "level1[cpu, float64]"
+    assert (tmp_path / "loss_curves.png").stat().st_size > 0 and (tmp_path / "lockstep.png").stat().st_size > 0
 
 
 def test_a_level_that_disagrees_fails_the_job(tmp_path, monkeypatch, capsys):
@@ -63,12 +67,25 @@ def test_a_level_that_disagrees_fails_the_job(tmp_path, monkeypatch, capsys):
     original = cls.train_epoch
     monkeypatch.setattr(cls, "train_epoch", lambda self, *a, **k: original(self, *a, **k) + 1e-3)
     assert compare.main(["--levels", "1,3", "--epochs", "1", "--train-size", "64", "--out", str(tmp_path), "--quiet"]) == 1
-    assert "FAIL: level3[cpu]" in capsys.readouterr().out
+    assert "FAIL: level3[cpu] lockstep: step 0: loss" in capsys.readouterr().out
 
 
-def test_level1_is_required():
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--levels", "3"], "level 1 is the gold standard"),
+        (["--levels", "1,99"], f"no level 99: the levels are {','.join(str(lv.number) for lv in LEVELS)}"),
+        (["--levels", "1,a"], "comma-separated level numbers"),
+        (["--seed", "-1"], "--seed must be >= 0"),
+        (["--lr", "nan"], "--lr must be a finite number"),
+        (["--epochs", "0"], "--epochs must be >= 1"),
+        (["--out", "/proc/no-such-place"], "cannot write there"),
+    ],
+)
+def test_bad_arguments_are_refused_before_any_training(args, words, capsys):
     with pytest.raises(SystemExit):
-        compare.main(["--levels", "3"])
+        compare.main(args)
+    assert words in capsys.readouterr().err
 
 
 def test_repeated_data_set_stays_read_only(tmp_path, monkeypatch):

@@ -1,0 +1,394 @@
+"""What "verified against the gold standard" means here: two checks, both on the real data.
+
+1. Lockstep, every step of the run (tight). At step k the level is loaded with level 1's parameters
+   theta_k, takes one step on level 1's batch, and must reproduce level 1's loss and level 1's update
+   theta_{k+1} - theta_k, tensor by tensor. Every step starts from the gold standard's parameters, so
+   float32 differences cannot pile up. The yardstick for "reproduce" is the one PyTorch's own tests use
+   for float32: the same step computed in float64 (`exact_step`); the level's result may be at most
+   YARDSTICK times as far from it as level 1's is, plus the rounding of the result to float32, which no
+   level can avoid. One exception is handled, not excused: a ReLU tie.
+2. The free run, statistically. The level's uninterrupted run (the timed one) cannot be compared step
+   by step: once a tie sends two float32 runs different ways, they part, as any two float32 trainings
+   that sum in different orders do. So the free run is compared by what float32 noise allows, measured
+   in the same run: level 1's own distance from its float64 twin (`check_free_run`).
+
+A run whose loss becomes NaN or infinite is reported as diverged at its first such step, with the likely
+cause, and never as a disagreement.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+from tqdm import tqdm
+
+from common.levels import level
+from common.model import N_IN, PARAM_NAMES
+
+# ---- 1. lockstep ----
+
+# The update rule, per tensor: ||theta_level - theta_64|| <= YARDSTICK * ||theta_1 - theta_64||
+#     + u * ||theta_64||  (the rounding of each result to float32, which no level can avoid: u * |p| bounds
+#                          half an ulp of p, u = 2^-24)
+#     + lr * gamma_B * || sum over the batch of |each term of the gradient| ||  (Higham's bound on any
+#                          float32 order of the batch sums; it matters where level 1's own sum happened to be
+#                          almost exact, e.g. the 10 bias gradients at step 0 of a batch of 256)
+# where theta_64 is the step in float64 and theta_1 level 1's. Why not a fixed relative
+# tolerance: late in training the updates are tiny beside the parameters, so rounding each parameter to
+# float32 (up to half an ulp) is a large part of an update, and where softmax is confident, p - 1 cancels.
+# Both are float32 facts that level 1 suffers too; float64 measures them step by step.
+# Measured on the full MNIST, chapter run (12,500 steps), levels 3 and 4: the largest share of this
+# allowance any tensor used on any step was 0.80 (level 3, fc2.bias; 0.30 for everything else), while a
+# learning rate 0.2% off uses 76 times the allowance within the first ten steps (and every planted bug of
+# tests/plant_bugs.py far more). YARDSTICK = 2 is PyTorch's multiple for float32 against float64.
+YARDSTICK = 2.0
+# The loss: |loss - level 1's| <= LOSS_RTOL * level 1's loss + LOSS_ATOL. A loss is the difference of a
+# log-sum-exp and a logit, each a few units in size, so its rounding is absolute (~1e-7), not relative to
+# a loss near 0. Measured: at most 6.6e-7 (level 3, chapter run) and 9.5e-7 (level 4, 60,000 images x
+# hidden 1024, batch 256). A wrong loss (a missing mean, a wrong label) is off by far more.
+LOSS_RTOL, LOSS_ATOL = 1e-5, 2e-6
+
+# ReLU ties. A hidden unit's pre-activation h = b + sum_i w_i x_i is 785 rounded terms. Summed in any
+# order, float32 lands within gamma_n * S of the exact value, where S = |b| + sum_i |w_i x_i|,
+# u = 2^-24 (float32's unit roundoff) and gamma_n = n u / (1 - n u) (Higham, Accuracy and Stability of
+# Numerical Algorithms, section 3.1; it covers the rounding of the products too, and any order or
+# blocking of the sum). So a float32 ReLU can decide differently from exact arithmetic, or from another
+# float32 level, only where |h| <= gamma_n * S: a tie. There one level passes a gradient the other does
+# not, and unit j's row of fc1.weight and its fc1.bias entry change by exactly lr * da[r, j] * [x_r, 1]
+# for the batch row r concerned; nothing else changes visibly (a = h is then within rounding of 0 either
+# way). So at every tie candidate the flip that explains a difference is found (greedily, one at a time)
+# and taken into account, first for level 1 (the float64 step follows level 1's decisions), then for the
+# level under test. Each flip the level needs is reported as a tie, and the rule above must still hold:
+# a difference that no flip explains fails.
+U = 2.0**-24
+
+
+def gamma(n: int) -> float:
+    """gamma_n = n u / (1 - n u): a float32 sum of n terms, in any order, is within gamma_n * sum |terms|."""
+    return n * U / (1 - n * U)
+
+
+GAMMA = gamma(N_IN + 1)  # ~4.7e-5: the pre-activations
+
+
+@dataclass
+class ExactStep:
+    """One SGD step in float64 from given parameters: the result, and what the tie analysis needs."""
+
+    loss: float
+    params: dict[str, np.ndarray]  # float64, not rounded
+    x: np.ndarray  # (B, 784) the batch
+    w1: np.ndarray  # (H, 784) fc1.weight before the step
+    b1: np.ndarray  # (H)
+    h: np.ndarray  # (B, H) the pre-activations
+    a: np.ndarray  # (B, H) the activations
+    dlogits: np.ndarray  # (B, 10)
+    da: np.ndarray  # (B, H) d(loss)/d(activation), the size of a flip
+    lr: float
+
+    def summation_allowance(self) -> dict[str, float]:
+        """lr * gamma_B * ||sum over the batch of |terms||| per tensor: how far float32 batch sums may land."""
+        dh, g = np.abs(self.da * (self.h > 0)), self.lr * gamma(len(self.x))
+        dz = np.abs(self.dlogits)
+        sums = (dh.T @ np.abs(self.x), dh.sum(axis=0), dz.T @ self.a, dz.sum(axis=0))
+        return {name: g * _norm(total) for name, total in zip(PARAM_NAMES, sums)}
+
+    def candidates(self) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, units) where float32 may put h on either side of 0: |h| <= gamma_n * S."""
+        bound = GAMMA * (np.abs(self.x) @ np.abs(self.w1).T + np.abs(self.b1))
+        return np.nonzero(np.abs(self.h) <= bound)
+
+    def bound(self, r: int, j: int) -> float:
+        """gamma_n * S of one (row, unit)."""
+        return float(GAMMA * (np.abs(self.x[r]) @ np.abs(self.w1[j]) + abs(self.b1[j])))
+
+
+def exact_step(params: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray, lr: float) -> ExactStep:
+    """level 3's formulas in float64: forward, loss, backward, p - lr * dp."""
+    x = x.astype(np.float64)
+    w1, b1, w2, b2 = (params[name].astype(np.float64) for name in PARAM_NAMES)
+    rows = np.arange(len(y))
+    h = x @ w1.T + b1
+    a = np.maximum(h, 0)
+    logits = a @ w2.T + b2
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    log_sum = np.log(np.exp(shifted).sum(axis=1))
+    dlogits = np.exp(shifted - log_sum[:, None])
+    dlogits[rows, y] -= 1
+    dlogits /= len(y)
+    da = dlogits @ w2
+    dh = da * (h > 0)
+    grads = (dh.T @ x, dh.sum(axis=0), dlogits.T @ a, dlogits.sum(axis=0))
+    stepped = {name: p - lr * g for name, p, g in zip(PARAM_NAMES, (w1, b1, w2, b2), grads)}
+    return ExactStep(float(np.mean(log_sum - shifted[rows, y])), stepped, x, w1, b1, h, a, dlogits, da, lr)
+
+
+def explain_flips(residual_w: np.ndarray, residual_b: np.ndarray, exact: ExactStep, lr: float):
+    """The ReLU flips (row, unit) at tie candidates that explain residuals of fc1.weight (H, 784) and fc1.bias (H).
+
+    Returns (dw, db, flips): the change the flips make to the update, to add to the expected one.
+    """
+    dw, db, flips = np.zeros_like(residual_w), np.zeros_like(residual_b), []
+    rows, units = exact.candidates()
+    for j in np.unique(units):
+        residual = np.append(residual_w[j], residual_b[j])
+        candidates = list(rows[units == j])
+        while candidates:
+            # A flip of row r adds or removes da[r, j] * [x_r, 1] in the gradient: -+lr times that in the update.
+            moves = [(r, s * lr * exact.da[r, j] * np.append(exact.x[r], 1.0)) for r in candidates for s in (1, -1)]
+            left = [np.linalg.norm(residual - move) for _, move in moves]
+            best = int(np.argmin(left))
+            if left[best] >= np.linalg.norm(residual):
+                break
+            r, move = moves[best]
+            residual -= move
+            dw[j] += move[:-1]
+            db[j] += move[-1]
+            candidates.remove(r)
+            flips.append((int(r), int(j)))
+    return dw, db, flips
+
+
+@dataclass
+class Tie:
+    """A ReLU the level decided differently from level 1: at this step, for this image, this hidden unit."""
+
+    step: int
+    unit: int
+    image: int  # row of the training set
+    h: float  # the exact pre-activation, within `bound` of 0
+    bound: float  # gamma_n * S
+
+
+@dataclass
+class LockstepRecord:
+    """One level's lockstep: per-step errors, the ties, and the first failure."""
+
+    label: str
+    loss_err: list[float] = field(default_factory=list)  # |loss - level 1's| / level 1's loss
+    update_err: list[list[float]] = field(default_factory=list)  # ||update - level 1's|| / ||level 1's||, per tensor
+    used: list[float] = field(default_factory=list)  # the largest share of an allowance used (loss or any tensor)
+    ties: list[Tie] = field(default_factory=list)
+    failure: str | None = None
+
+    def summary(self) -> dict:
+        """Maxima and percentiles, ties and the verdict, as results.json keeps them."""
+        update = np.asarray(self.update_err).reshape(-1, len(PARAM_NAMES))
+        per_tensor = {
+            name: {q: float(np.percentile(update[:, i], p)) if len(update) else 0.0
+                   for q, p in (("median", 50), ("p99", 99), ("max", 100))}
+            for i, name in enumerate(PARAM_NAMES)
+        }
+        return {
+            "steps": len(self.used),
+            "max_loss_err": max(self.loss_err, default=0.0),
+            "update_err": per_tensor,
+            "max_used": max(self.used, default=0.0),
+            "ties": [asdict(t) for t in self.ties],
+            "failure": self.failure,
+        }
+
+
+def _norm(a) -> float:
+    return float(np.linalg.norm(a))
+
+
+def _share(distance: float, allowed: float) -> float:
+    """distance / allowed, where nothing allowed and nothing moved (a parameter exactly 0 that stays 0) is 0."""
+    return distance / allowed if allowed else (0.0 if distance == 0 else np.inf)
+
+
+def _flipped(distance: float, params64: np.ndarray) -> bool:
+    """Could a ReLU flip be in this fc1 distance? A flip moves a row by lr * |da| * ||x|| (~1e-4 here), rounding
+    alone by u * ||theta|| (~1e-6): so not below 4 x the rounding. Saves the tie search on most steps."""
+    return distance > 4 * U * _norm(params64)
+
+
+class Lockstep:
+    """Steps level 1 one batch at a time and, from its parameters before each step, every level under test."""
+
+    def __init__(self, reference, models: dict, X: np.ndarray, y: np.ndarray, lr: float):
+        self.reference, self.models, self.X, self.y, self.lr = reference, models, X, y, lr
+        self.records = {label: LockstepRecord(label) for label in models}
+        self.steps = 0
+        self.reference_diverged: str | None = None
+
+    def step(self, batch: np.ndarray) -> None:
+        """One step on rows `batch` of X: level 1's, the exact one, then each level's from the same parameters."""
+        k, X, y, lr = self.steps, self.X, self.y, self.lr
+        self.steps += 1
+        if self.reference_diverged:
+            return
+        before = self.reference.state_dict()
+        expected_loss = float(self.reference.train_epoch(X, y, len(batch), lr, batch)[0])
+        after = self.reference.state_dict()
+        if not (np.isfinite(expected_loss) and all(np.isfinite(v).all() for v in after.values())):
+            self.reference_diverged = f"level 1 itself diverged at lockstep step {k}"
+            return
+        exact = exact_step(before, X[batch], y[batch], lr)
+        expected = dict(exact.params)
+        own = {name: _norm(after[name] - expected[name]) for name in PARAM_NAMES}  # level 1's own distance
+        if any(_flipped(own[name], expected[name]) for name in ("fc1.weight", "fc1.bias")):
+            # Level 1 went the other way from exact arithmetic at a tie: the float64 step follows level 1.
+            dw, db, _ = explain_flips(after["fc1.weight"] - expected["fc1.weight"],
+                                      after["fc1.bias"] - expected["fc1.bias"], exact, lr)
+            expected["fc1.weight"], expected["fc1.bias"] = expected["fc1.weight"] + dw, expected["fc1.bias"] + db
+            own.update({name: _norm(after[name] - expected[name]) for name in ("fc1.weight", "fc1.bias")})
+        allowed = {name: YARDSTICK * own[name] + U * _norm(expected[name]) for name in PARAM_NAMES}
+        size = {name: _norm(after[name] - before[name]) for name in PARAM_NAMES}
+        for label, model in self.models.items():
+            record = self.records[label]
+            if record.failure:
+                continue
+            model.load_state_dict(before)
+            loss = float(model.train_epoch(X, y, len(batch), lr, batch)[0])
+            got = model.state_dict()
+            if not (np.isfinite(loss) and all(np.isfinite(v).all() for v in got.values())):
+                record.failure = f"step {k}: non-finite loss or parameters from level 1's finite ones: a bug, not the data"
+                continue
+            self._compare(record, k, batch, loss, expected_loss, got, after, expected, exact, own, allowed, size)
+
+    def _compare(self, record, k, batch, loss, expected_loss, got, after, expected, exact, own, allowed, size) -> None:
+        """Record the step's errors and ties for one level; set its failure if a rule is broken."""
+        adjust = {name: 0.0 for name in PARAM_NAMES}
+        distance = {name: _norm(got[name] - expected[name]) for name in PARAM_NAMES}
+        if distance["fc1.weight"] > allowed["fc1.weight"] or distance["fc1.bias"] > allowed["fc1.bias"]:
+            dw, db, flips = explain_flips(got["fc1.weight"] - expected["fc1.weight"],
+                                          got["fc1.bias"] - expected["fc1.bias"], exact, self.lr)
+            adjust["fc1.weight"], adjust["fc1.bias"] = dw, db
+            for name in ("fc1.weight", "fc1.bias"):
+                distance[name] = _norm(got[name] - expected[name] - adjust[name])
+            record.ties += [Tie(k, j, int(batch[r]), float(exact.h[r, j]), exact.bound(r, j)) for r, j in flips]
+        if any(distance[n] > allowed[n] for n in PARAM_NAMES):  # rare: worth the extra products
+            sums = exact.summation_allowance()
+            allowed = {n: allowed[n] + sums[n] for n in PARAM_NAMES}
+        loss_allowed = LOSS_RTOL * abs(expected_loss) + LOSS_ATOL
+        shares = [abs(loss - expected_loss) / loss_allowed] + [_share(distance[n], allowed[n]) for n in PARAM_NAMES]
+        record.loss_err.append(abs(loss - expected_loss) / max(abs(expected_loss), np.finfo(np.float32).tiny))
+        record.update_err.append([_norm(got[n] - after[n] - adjust[n]) / size[n] if size[n] else 0.0 for n in PARAM_NAMES])
+        record.used.append(max(shares))
+        if shares[0] > 1:
+            record.failure = (f"step {k}: loss {loss:.8g}, level 1's {expected_loss:.8g}: "
+                              f"{abs(loss - expected_loss):.2g} apart, more than {loss_allowed:.2g} allowed")
+        elif max(shares) > 1:
+            name = PARAM_NAMES[int(np.argmax(shares[1:]))]
+            record.failure = (f"step {k}: the {name} update is {distance[name]:.3g} from the float64 step, where "
+                              f"level 1's is {own[name]:.3g} ({allowed[name]:.3g} allowed)"
+                              + ("; no ReLU tie explains it" if name.startswith("fc1") else ""))
+
+
+@contextmanager
+def torch_threads(n: int):
+    """PyTorch on n threads inside the block: lockstep alternates PyTorch and NumPy every step, and their two
+    thread pools, each spinning while the other works, slowed it 6x on 2 cores (measured)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def lockstep(models: dict, params, X, y, orders: list[np.ndarray], batch: int, lr: float,
+             quiet: bool = True) -> tuple[dict[str, LockstepRecord], str | None]:
+    """Every step of the run (the batches of `orders`, epoch by epoch) in lockstep with level 1 on the CPU.
+
+    Returns each model's record and, if level 1 itself diverged, why.
+    """
+    run = Lockstep(level(1).load()(params, device="cpu"), models, X, y, lr)
+    batches = [order[start : start + batch] for order in orders for start in range(0, len(order), batch)]
+    with torch_threads(1):
+        for b in tqdm(batches, desc="lockstep", disable=quiet, leave=False):
+            run.step(b)
+            if run.reference_diverged or all(r.failure for r in run.records.values()):
+                break
+    return run.records, run.reference_diverged
+
+
+# ---- 2. the free run ----
+
+# Once a ReLU tie sends them different ways, two correct float32 runs are two different SGD trajectories
+# through the same batches. Their per-step losses then differ by 1e-3..1e-2, but their per-epoch mean
+# losses and test accuracy agree to what float32 noise allows, and that noise is measured in the same run:
+# level 1's float64 twin (the same code in double precision, see level1_pytorch) is as close to exact
+# arithmetic as we get, so level 1's distance from it is the size of float32's effect on this run.
+# Measured on the full MNIST, chapter run (10,000 images x 10 epochs, batch 8): level 1 vs its twin
+# 2.0e-4 at most per epoch; levels 3 and 4 vs level 1 2.0e-4 and 2.1e-4; six reruns of level 1 from
+# initial weights moved by one ulp 0.4e-4..2.3e-4. Test accuracy: within 5 of 10,000 images, while level 1
+# and its twin predicted 16 test images differently. A bug that only the free run can show (an epoch's
+# later steps, the order of its batches) moves these by 1e-2 or more.
+FREE_K = 4  # the band is FREE_K times the measured noise ...
+FREE_FLOOR = 2.5e-4  # ... and at least FREE_K x FREE_FLOOR x the epoch's mean loss: a young parting that
+# the twin has not made (measured: 0.3e-4..1.5e-4 of the mean loss in the epoch after a late parting)
+ACC_FLOOR = 10  # test images: accuracy may differ by as many images as the twin flipped, and at least this
+
+
+@dataclass
+class FreeRun:
+    """One free run against level 1's, with level 1's float64 twin as the yardstick of float32 noise."""
+
+    epoch_means: list[float]  # the level's mean loss per epoch
+    epoch_dev: list[float]  # |its mean - level 1's| per epoch
+    band: list[float]  # allowed per epoch
+    accuracy_dev: float  # |test accuracy - level 1's|
+    accuracy_band: float
+    failure: str | None = None
+
+    @property
+    def used(self) -> float:
+        """The largest share of a band used (per-epoch means or accuracy); infinite when the runs differ in length."""
+        if not self.band:
+            return float("inf")
+        return max(max(d / b for d, b in zip(self.epoch_dev, self.band)), self.accuracy_dev / self.accuracy_band)
+
+
+def epoch_means(losses, epochs: int) -> np.ndarray:
+    """Mean loss of each epoch (float64)."""
+    return np.asarray(losses, dtype=np.float64).reshape(epochs, -1).mean(axis=1)
+
+
+def free_run_noise(reference_losses, twin_losses, reference_pred, twin_pred, epochs: int) -> dict:
+    """float32's effect on this run: level 1 against its float64 twin (per-epoch means, test predictions)."""
+    if len(twin_losses) != len(reference_losses) or not np.isfinite(twin_losses).all():
+        raise ValueError("level 1's float64 twin did not finish its run: no yardstick for the free runs")
+    return {
+        "epoch_dev": float(np.abs(epoch_means(reference_losses, epochs) - epoch_means(twin_losses, epochs)).max()),
+        "test_images_flipped": int((np.asarray(reference_pred) != np.asarray(twin_pred)).sum()),
+    }
+
+
+def check_free_run(losses, reference_losses, accuracy: float, reference_accuracy: float, n_test: int,
+                   noise: dict, epochs: int) -> FreeRun:
+    """The level's free run against level 1's, within FREE_K x the float32 noise measured by the twin."""
+    if len(losses) != len(reference_losses):
+        return FreeRun([], [], [], 0.0, 1.0, f"{len(losses)} steps instead of {len(reference_losses)}: "
+                                             "a batch was dropped or added")
+    means, reference_means = epoch_means(losses, epochs), epoch_means(reference_losses, epochs)
+    dev = np.abs(means - reference_means)
+    band = FREE_K * np.maximum(noise["epoch_dev"], FREE_FLOOR * reference_means)
+    accuracy_band = max(noise["test_images_flipped"], ACC_FLOOR) / n_test
+    run = FreeRun(means.tolist(), dev.tolist(), band.tolist(), abs(accuracy - reference_accuracy), accuracy_band)
+    if (dev > band).any():
+        e = int(np.argmax(dev > band))
+        run.failure = (f"epoch {e}: mean loss {means[e]:.6g}, level 1's {reference_means[e]:.6g}: "
+                       f"{dev[e]:.2g} apart, more than float32 noise allows ({band[e]:.2g})")
+    elif run.accuracy_dev > accuracy_band:
+        run.failure = (f"test accuracy {accuracy:.4f}, level 1's {reference_accuracy:.4f}: more than float32 "
+                       f"noise allows ({accuracy_band * n_test:.0f} of {n_test:,} images)")
+    return run
+
+
+def divergence(losses, lr: float, X: np.ndarray) -> str | None:
+    """Why a run's losses stopped being finite, or None: the first bad step and the likely cause."""
+    bad = np.flatnonzero(~np.isfinite(np.asarray(losses, dtype=np.float64)))
+    if not len(bad):
+        return None
+    step = int(bad[0])
+    scale = float(np.abs(X).max())
+    cause = (f"the inputs reach |x| = {scale:.3g}: normalize them (common.data.normalize)" if scale > 1e3
+             else f"the learning rate {lr:g} is too large: try one 10x smaller")
+    return f"diverged: loss {losses[step]} at step {step}; likely cause: {cause}"
