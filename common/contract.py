@@ -8,8 +8,10 @@ The level contract (every level's `MLP` has exactly these methods):
     .state_dict() -> float32 copies of the params, PyTorch names and layouts
     .load_state_dict(params) -> None: replace the parameters (same hidden size), as PyTorch's does
 
-Conversions are few and documented: params and labels are copied to float32 / int32;
+Conversions are few and documented: params and labels are copied to float32 / int32, and every check is
+made on the values the level will use (a float64 parameter of 1e39 is refused: it would be inf in float32).
 X must already be float32 and C-contiguous (a silent copy of a 60,000-image array would hide a cost).
+A batch_size larger than the epoch is the whole epoch, one step, at every level.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ def check_params(params: dict[str, np.ndarray], hidden: int | None = None) -> di
         raise ValueError(f"params must be a dict with keys {list(PARAM_NAMES)}, got {got}")
     if hidden is None:
         hidden = np.shape(params["fc1.weight"])[0] if np.ndim(params["fc1.weight"]) == 2 else -1
+        if hidden == 0:
+            raise ValueError("params['fc1.weight'] has 0 rows: a model needs at least 1 hidden unit")
     out = {}
     for name, shape in param_shapes(hidden).items():
         value = np.asarray(params[name])
@@ -33,9 +37,10 @@ def check_params(params: dict[str, np.ndarray], hidden: int | None = None) -> di
             raise ValueError(f"params[{name!r}] has shape {value.shape}, expected {shape}")
         if not np.issubdtype(value.dtype, np.floating):
             raise TypeError(f"params[{name!r}] must be floating point, got {value.dtype}")
-        if not np.isfinite(value).all():
-            raise ValueError(f"params[{name!r}] contains NaN or infinity")
-        out[name] = np.array(value, dtype=np.float32, order="C")
+        with np.errstate(over="ignore"):  # a float64 beyond float32's range becomes inf: refused just below
+            out[name] = np.array(value, dtype=np.float32, order="C")
+        if not np.isfinite(out[name]).all():
+            raise ValueError(f"params[{name!r}] contains NaN or infinity (as float32, the type every level uses)")
     return out
 
 
@@ -73,20 +78,30 @@ def check_y(y: np.ndarray, n: int) -> np.ndarray:
     return np.ascontiguousarray(y, dtype=np.int32)
 
 
-def check_training(n: int, batch_size: int, lr: float, order: np.ndarray | None) -> np.ndarray:
-    """Validate batch size and learning rate; return the visiting order as int32 indices into X."""
+MAX_ROWS = 2**31 - 1  # rows of an epoch's order: the native levels count them in a C int
+
+
+def check_training(n: int, batch_size: int, lr: float, order: np.ndarray | None) -> tuple[np.ndarray, int, np.float32]:
+    """Validate the epoch's arguments; return the visiting order (int32 indices into X), the batch size (at most
+    the epoch: one step) and the learning rate as the float32 every level uses."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-    if not np.isfinite(lr) or lr < 0:
-        raise ValueError(f"lr must be a finite number >= 0, got {lr!r}")
+    if isinstance(lr, bool) or not isinstance(lr, (int, float, np.integer, np.floating)):
+        raise TypeError(f"lr must be a number, got {type(lr).__name__} {lr!r}")
+    with np.errstate(over="ignore"):
+        lr32 = np.float32(lr)
+    if not np.isfinite(lr32) or lr32 < 0:
+        raise ValueError(f"lr must be a finite number >= 0 (as float32, the type every level uses), got {lr!r}")
     if order is None:
-        return np.arange(n, dtype=np.int32)
+        order = np.arange(n, dtype=np.int32)
     order = np.asarray(order)
     if not np.issubdtype(order.dtype, np.integer) or order.ndim != 1 or order.size == 0:
         raise ValueError(f"order must be a non-empty 1-D integer index array, got {order.dtype} {order.shape}")
+    if order.size > MAX_ROWS:
+        raise ValueError(f"order has {order.size:,} entries: at most {MAX_ROWS:,} per epoch")
     if order.min() < 0 or order.max() >= n:
         raise ValueError(f"order indexes rows of X: values must be in [0, {n}), got [{order.min()}, {order.max()}]")
-    return np.ascontiguousarray(order, dtype=np.int32)
+    return np.ascontiguousarray(order, dtype=np.int32), int(min(batch_size, order.size)), lr32
 
 
 def n_steps(n: int, batch_size: int) -> int:
@@ -94,21 +109,32 @@ def n_steps(n: int, batch_size: int) -> int:
     return -(-n // batch_size)
 
 
-def _frozen(a: np.ndarray) -> bool:
-    """True when neither the array nor any array it views can be written through numpy."""
+def immutable(a: np.ndarray) -> np.ndarray:
+    """A read-only copy of `a` that nothing can ever change: its memory is an immutable bytes object.
+
+    A read-only flag alone does not make an array constant: an array that owns its memory can be made
+    writeable again, and a view taken before the flag was set still writes to it. An array whose memory
+    is a bytes object can be neither: numpy refuses to make it writeable, and bytes has no writeable view.
+    """
+    a = np.ascontiguousarray(a)
+    return np.frombuffer(a.tobytes(), dtype=a.dtype).reshape(a.shape)
+
+
+def is_immutable(a: np.ndarray) -> bool:
+    """True when the array's memory is an immutable bytes object (see `immutable`)."""
     while isinstance(a, np.ndarray):
-        if a.flags.writeable:
-            return False
         a = a.base
-    return a is None or isinstance(a, bytes)
+    return isinstance(a, bytes)
 
 
 class DataCache:
     """Checks a training set once and keeps the level's copy of it (on a GPU: the upload) while it is unchanged.
 
-    "Unchanged" means: the same read-only X and y objects as last time. The harness hands every
-    level read-only arrays, so the data set is checked and uploaded once, not every epoch - the
-    fair, best-practice loop for every level. Writeable arrays are checked and uploaded on every call.
+    Correct first: the copy is reused only for the very same X and y objects as last time, and only when both
+    are immutable (their memory is a bytes object: `immutable`), so no write anywhere can have changed them.
+    The harness and common.data.normalize hand every level immutable arrays, so the data set is checked and
+    uploaded once, not every epoch - the fair, best-practice loop for every level. Any other array (writeable,
+    or merely flagged read-only) is checked and uploaded again on every call, so a change is always seen.
     """
 
     def __init__(self):
@@ -116,10 +142,12 @@ class DataCache:
         self._copy = None
 
     def fetch(self, X: np.ndarray, y: np.ndarray, upload):
-        """The level's copy of (X, y), validated and made by upload(X float32, y int32) only when they changed."""
-        if self._key is not None and self._key[0] is X and self._key[1] is y and _frozen(X) and _frozen(y):
+        """The level's copy of (X, y), validated and made by upload(X float32, y int32) unless it is known unchanged."""
+        if self._key is not None and self._key[0] is X and self._key[1] is y:
             return self._copy
+        self._key = self._copy = None  # forget the old copy first: a failed upload must not leave it in place
         checked_X = check_X(X)
         copy = upload(checked_X, check_y(y, len(checked_X)))
-        self._key, self._copy = ((X, y), copy) if _frozen(X) and _frozen(y) else (None, None)
+        if is_immutable(X) and is_immutable(y):
+            self._key, self._copy = (X, y), copy  # holding them keeps their ids from being reused
         return copy

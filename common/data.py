@@ -42,6 +42,7 @@ from typing import IO, Iterator
 import numpy as np
 from tqdm import tqdm
 
+from common.contract import immutable
 from common.levels import ROOT
 
 DATA_DIR = ROOT / "data"
@@ -132,13 +133,11 @@ def read_idx(path: Path) -> np.ndarray:
 
 
 def normalize(images: np.ndarray) -> np.ndarray:
-    """uint8 (N, 784) -> float32 (x/255 - 0.1307) / 0.3081, C-contiguous and read-only."""
+    """uint8 (N, 784) -> float32 (x/255 - 0.1307) / 0.3081, C-contiguous and immutable (so a level may keep its copy)."""
     if images.dtype != np.uint8 or images.ndim != 2 or images.shape[1] != 784:
         raise ValueError(f"normalize wants uint8 (N, 784) pixels, got {images.dtype} {images.shape}")
     x = images.astype(np.float32) / np.float32(255)
-    x = np.ascontiguousarray((x - np.float32(MEAN)) / np.float32(STD))
-    x.flags.writeable = False
-    return x
+    return immutable((x - np.float32(MEAN)) / np.float32(STD))
 
 
 def _open_url(url: str, headers: dict[str, str] | None = None) -> IO[bytes]:

@@ -26,6 +26,11 @@ typedef struct mlp mlp; /* opaque: parameters, gradients, activations, the data 
 #define MLP_ERR_ALLOC 2  /* out of memory, host or device */
 #define MLP_ERR_DEVICE 3 /* a CUDA or cuBLAS call failed, or there is no GPU */
 
+/* The most elements one per-batch buffer may hold (rows x 784, or rows x hidden): 2^31 - 1, 8 GiB of
+ * float32. Sizes are computed in size_t throughout; this limit keeps every count a kernel's 32-bit
+ * grid arithmetic or a C int can meet in range, and a larger batch is refused with MLP_ERR_ARG. */
+#define MLP_MAX_ELEMENTS 2147483647
+
 /* The message of the last failed call on this thread. */
 const char *mlp_last_error(void);
 

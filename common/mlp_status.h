@@ -33,6 +33,14 @@ static int fail(int status, const char *file, int line, const char *fmt, ...) {
 /* return FAIL(MLP_ERR_ARG, "n must be >= 1, got %d", n); records where and why, returns the status. */
 #define FAIL(status, ...) fail(status, __FILE__, __LINE__, __VA_ARGS__)
 
+/* A per-batch buffer of rows x width elements must stay within MLP_MAX_ELEMENTS (mlp.h). */
+static int check_elements(int rows, int width) {
+    if ((size_t)rows * (size_t)width > (size_t)MLP_MAX_ELEMENTS)
+        return FAIL(MLP_ERR_ARG, "a batch of %d rows x %d values is %zu elements, more than the %d a buffer may hold",
+                    rows, width, (size_t)rows * (size_t)width, MLP_MAX_ELEMENTS);
+    return MLP_OK;
+}
+
 /* Labels y (n) must be classes in [0, n_out): an out-of-range label would index past a row. */
 static int check_labels(const int *y, int n, int n_out) {
     for (int i = 0; i < n; i++)

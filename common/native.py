@@ -4,11 +4,24 @@ The declarations are read from the header itself (between its cdef markers), so 
 disagree with C about a signature. Every call is checked: a failing status raises NativeError
 with the library's own message (which call, file and line). Python validates every argument
 before native code sees it, and keeps each array alive for the duration of the call.
+
+What Python must not be able to do to a native model, and how this binding prevents it:
+  - two threads at once: every method takes the model's lock, so calls from several threads run
+    one after the other (a model is safe to share; one model per thread is faster);
+  - copy.copy / deepcopy / pickle: each gives a new, independent native model with the same parameters,
+    never a second owner of the same memory;
+  - Ctrl-C: an epoch runs as several native calls of about CHUNK_S seconds each, and Ctrl-C is answered
+    between two of them - at a step boundary, the model consistent - with TrainingInterrupted;
+  - sizes the native code cannot hold: refused with a ValueError before any native call.
 """
 
 from __future__ import annotations
 
 import re
+import signal
+import threading
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -23,8 +36,41 @@ ffi = FFI()
 ffi.cdef(re.search(r"/\* cdef-begin \*/(.*)/\* cdef-end \*/", HEADER.read_text(), re.S).group(1))
 
 
+CHUNK_S = 0.05  # the length of one native call of an epoch: Ctrl-C waits at most about this long
+FORWARD_ROWS = 65_536  # rows of X per native call of forward(), for the same reason
+
+
 class NativeError(RuntimeError):
     """A native call returned an error status; the message is the library's."""
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C during train_epoch: the model holds the parameters after `steps_done` whole steps, whose losses are kept."""
+
+    def __init__(self, steps_done: int, steps: int, losses: np.ndarray):
+        super().__init__(f"interrupted after {steps_done:,} of {steps:,} steps; the model holds the parameters after "
+                         f"step {steps_done:,}, and .losses the losses of those steps")
+        self.steps_done, self.steps, self.losses = steps_done, steps, losses
+
+
+@contextmanager
+def _sigint_deferred():
+    """Inside the block, Ctrl-C is noted instead of raised; the block asks `pending()` at safe points.
+
+    Only where Python would raise KeyboardInterrupt itself (the main thread, the default handler); elsewhere the
+    block runs as usual and `pending()` is always False.
+    """
+    if threading.current_thread() is not threading.main_thread() or (
+        signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield lambda: False
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield lambda: bool(caught)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _ptr(a: np.ndarray, ctype: str):
@@ -40,6 +86,7 @@ class NativeMLP:
     def __init__(self, params: dict[str, np.ndarray]):
         params = check_params(params)
         self.hidden = hidden_size(params)
+        self._lock = threading.Lock()
         handle = ffi.new("mlp **")
         self._check(self.lib.mlp_create(handle, N_IN, self.hidden, N_OUT))
         self._model = ffi.gc(handle[0], self.lib.mlp_destroy)  # freed when collected, or by close()
@@ -47,51 +94,85 @@ class NativeMLP:
         self._data = DataCache()  # not given self._upload: a model -> cache -> model cycle would delay freeing GPU memory
 
     def train_epoch(self, X: np.ndarray, y: np.ndarray, batch_size: int, lr: float, order=None) -> np.ndarray:
-        """One pass over X in `order`; returns each step's loss, taken before that step's update."""
-        n = self._data.fetch(X, y, self._upload)
-        order = check_training(n, batch_size, lr, order)
-        losses = np.empty(n_steps(len(order), batch_size), dtype=np.float32)
-        self._check(
-            self.lib.mlp_train_epoch(
-                self._handle(), _ptr(losses, "float[]"), _ptr(order, "int[]"), len(order), int(batch_size), float(lr)
-            )
-        )
-        return losses
+        """One pass over X in `order`; returns each step's loss, taken before that step's update.
+
+        The epoch runs as native calls of about CHUNK_S seconds (the first of one step, then larger), each a
+        whole number of steps; Ctrl-C between two of them raises TrainingInterrupted.
+        """
+        with self._lock:
+            n = self._data.fetch(X, y, self._upload)
+            order, batch_size, lr = check_training(n, batch_size, lr, order)
+            self._check_rows(batch_size)
+            losses = np.empty(n_steps(len(order), batch_size), dtype=np.float32)
+            done, chunk = 0, 1
+            with _sigint_deferred() as interrupted:
+                while done < len(losses):
+                    take = min(chunk, len(losses) - done)
+                    rows = order[done * batch_size : (done + take) * batch_size]
+                    start = time.perf_counter()
+                    self._check(self.lib.mlp_train_epoch(self._handle(), _ptr(losses[done:], "float[]"),
+                                                         _ptr(rows, "int[]"), len(rows), batch_size, lr))
+                    done += take
+                    if interrupted() and done < len(losses):
+                        raise TrainingInterrupted(done, len(losses), losses[:done].copy())
+                    chunk = max(1, min(4 * chunk, int(take * CHUNK_S / max(time.perf_counter() - start, 1e-6))))
+            return losses
 
     def loss_and_grads(self, X: np.ndarray, y: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
         """Mean cross-entropy of one batch and its gradients; parameters unchanged."""
         X = check_X(X)
         y = check_y(y, len(X))
+        self._check_rows(len(X))
         grads = self._empty_params()
         loss = ffi.new("float *")
         grad_ptrs = (_ptr(grads[k], "float[]") for k in PARAM_NAMES)
-        self._check(
-            self.lib.mlp_loss_and_grads(self._handle(), loss, *grad_ptrs, _ptr(X, "float[]"), _ptr(y, "int[]"), len(X))
-        )
+        with self._lock:
+            self._check(self.lib.mlp_loss_and_grads(self._handle(), loss, *grad_ptrs, _ptr(X, "float[]"),
+                                                    _ptr(y, "int[]"), len(X)))
         return float(loss[0]), grads
 
     def forward(self, X: np.ndarray) -> np.ndarray:
-        """Logits (N, 10)."""
+        """Logits (N, 10), FORWARD_ROWS rows per native call (Ctrl-C is answered between two)."""
         X = check_X(X)
         logits = np.empty((len(X), N_OUT), dtype=np.float32)
-        self._check(self.lib.mlp_forward(self._handle(), _ptr(logits, "float[]"), _ptr(X, "float[]"), len(X)))
+        with self._lock:
+            for start in range(0, len(X), FORWARD_ROWS):
+                rows = slice(start, start + FORWARD_ROWS)
+                self._check(self.lib.mlp_forward(self._handle(), _ptr(logits[rows], "float[]"), _ptr(X[rows], "float[]"),
+                                                 len(X[rows])))
         return logits
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """float32 copies of the parameters."""
         params = self._empty_params()
-        self._check(self.lib.mlp_get_params(self._handle(), *(_ptr(params[k], "float[]") for k in PARAM_NAMES)))
+        with self._lock:
+            self._check(self.lib.mlp_get_params(self._handle(), *(_ptr(params[k], "float[]") for k in PARAM_NAMES)))
         return params
 
     def load_state_dict(self, params: dict[str, np.ndarray]) -> None:
         """Replace the parameters (same hidden size)."""
         params = check_params(params, self.hidden)
-        self._check(self.lib.mlp_set_params(self._handle(), *(_ptr(params[k], "float[]") for k in PARAM_NAMES)))
+        with self._lock:
+            self._check(self.lib.mlp_set_params(self._handle(), *(_ptr(params[k], "float[]") for k in PARAM_NAMES)))
 
     def close(self) -> None:
-        """Free the native model now instead of at garbage collection; any later use raises."""
-        ffi.release(self._handle())
-        self._model = None
+        """Free the native model now instead of at garbage collection; any later use raises.
+
+        Waits for a call that another thread is making on this model to finish first."""
+        with self._lock:
+            ffi.release(self._handle())
+            self._model = None
+
+    def __copy__(self) -> NativeMLP:
+        """A new, independent model with the same parameters (never a second owner of this one's memory)."""
+        return type(self)(self.state_dict())
+
+    def __deepcopy__(self, memo) -> NativeMLP:
+        return self.__copy__()
+
+    def __reduce__(self):
+        """Pickled as its parameters: unpickling builds a new native model."""
+        return type(self), (self.state_dict(),)
 
     def _handle(self):
         """The native model, or a clear error after close()."""
@@ -103,6 +184,14 @@ class NativeMLP:
         """Hand the training set to the library (a GPU level uploads it); returns its row count."""
         self._check(self.lib.mlp_set_data(self._handle(), _ptr(X, "float[]"), _ptr(y, "int[]"), len(X)))
         return len(X)
+
+    def _check_rows(self, rows: int) -> None:
+        """A batch the native code can hold: each of its buffers (rows x 784 or rows x hidden) within MLP_MAX_ELEMENTS."""
+        width = max(N_IN, self.hidden)
+        if rows * width > self.lib.MLP_MAX_ELEMENTS:
+            raise ValueError(f"a batch of {rows:,} rows x {width:,} values is {rows * width:,} elements per buffer; "
+                             f"the native levels hold at most {self.lib.MLP_MAX_ELEMENTS:,} (8 GiB of float32): "
+                             "use a smaller batch_size")
 
     def _empty_params(self) -> dict[str, np.ndarray]:
         return {k: np.empty(shape, dtype=np.float32) for k, shape in param_shapes(self.hidden).items()}

@@ -76,9 +76,10 @@ class MLP:
     def train_epoch(self, X: np.ndarray, y: np.ndarray, batch_size: int, lr: float, order=None) -> np.ndarray:
         """One pass over X in `order`; returns each step's loss, taken before that step's update."""
         X_dev, y_dev = self._data.fetch(X, y, self._upload)
-        order = torch.from_numpy(check_training(len(X_dev), batch_size, lr, order)).to(self.device).long()
+        order, batch_size, lr = check_training(len(X_dev), batch_size, lr, order)
+        order = torch.from_numpy(order).to(self.device).long()
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = float(lr)
         losses = torch.empty(n_steps(len(order), batch_size), device=self.device, dtype=self.dtype)
         for step in range(len(losses)):
             batch = order[step * batch_size : (step + 1) * batch_size]

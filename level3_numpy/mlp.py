@@ -25,13 +25,13 @@ class MLP:
     def train_epoch(self, X: np.ndarray, y: np.ndarray, batch_size: int, lr: float, order=None) -> np.ndarray:
         """One pass over X in `order`; returns each step's loss, taken before that step's update."""
         X, y = self._data.fetch(X, y, lambda X, y: (X, y))  # nothing to upload: NumPy reads X in place
-        order = check_training(len(X), batch_size, lr, order)
+        order, batch_size, lr = check_training(len(X), batch_size, lr, order)
         losses = np.empty(n_steps(len(order), batch_size), dtype=np.float32)
         for step in range(len(losses)):
             batch = order[step * batch_size : (step + 1) * batch_size]
             losses[step], grads = self._loss_and_grads(X[batch], y[batch])
             for name, grad in grads.items():  # sgd_update: p -= lr * dp
-                self.params[name] -= np.float32(lr) * grad
+                self.params[name] -= lr * grad
         return losses
 
     def loss_and_grads(self, X: np.ndarray, y: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:

@@ -61,6 +61,28 @@ static void exercise(int hidden, int batch) {
     free(w1), free(b1), free(w2), free(b2), free(x), free(logits);
 }
 
+/* Sizes whose products overflow an int: hidden 100,000 x a batch of 21,476 rows is 2,147,600,000 elements per
+ * buffer, past MLP_MAX_ELEMENTS. The library must refuse them with MLP_ERR_ARG before it allocates or writes
+ * anything (the outputs here are deliberately tiny: a write would be out of bounds, and ASan would say so), and
+ * without signed overflow on the way (UBSan would say so). */
+static void huge_sizes(void) {
+    enum { HIDDEN = 100000, ROWS = 21476 };
+    mlp *m = NULL;
+    expect(mlp_create(&m, N_IN, HIDDEN, N_OUT), MLP_OK, "create with hidden 100,000");
+    if (!m) return;
+    float *x = calloc((size_t)ROWS * N_IN, sizeof(float)), tiny[N_OUT], loss, losses[1];
+    int *y = calloc(ROWS, sizeof(int)), *order = malloc(sizeof(int) * ROWS);
+    if (x && y && order) {
+        for (int i = 0; i < ROWS; i++) order[i] = i;
+        expect(mlp_loss_and_grads(m, &loss, tiny, tiny, tiny, tiny, x, y, ROWS), MLP_ERR_ARG, "a batch too large");
+        expect(mlp_set_data(m, x, y, ROWS), MLP_OK, "a data set of 21,476 rows");
+        expect(mlp_train_epoch(m, losses, order, ROWS, ROWS, 0.01f), MLP_ERR_ARG, "an epoch with a batch too large");
+        expect(mlp_train_epoch(m, losses, order, 1, 1, 0.0f), MLP_OK, "a step of one row after the refusals");
+    }
+    free(x), free(y), free(order);
+    expect(mlp_destroy(m), MLP_OK, "destroy");
+}
+
 int main(void) {
     mlp *m = NULL;
     expect(mlp_create(&m, N_IN, 0, N_OUT), MLP_ERR_ARG, "create with hidden 0");
@@ -75,6 +97,7 @@ int main(void) {
     exercise(37, 13);
     exercise(1, 1);
     exercise(256, 8);
+    huge_sizes();
     for (int i = 0; i < 1000; i++) { /* a thousand models: any leak per model adds up */
         expect(mlp_create(&m, N_IN, 16, N_OUT), MLP_OK, "create in a loop");
         expect(mlp_destroy(m), MLP_OK, "destroy in a loop");
