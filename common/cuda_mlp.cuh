@@ -1,11 +1,12 @@
-/* common/cuda_mlp.cuh - everything the two GPU levels share: the model on the device, the
+/* common/cuda_mlp.cuh - everything the GPU levels share: the model on the device, the
  * element-wise kernels, the training step and the whole of mlp.h.
  *
  * Included by level5_cuda_naive/mlp.cu (hand-written matrix products) and level6_cublas/mlp.cu
  * (cuBLAS). Each of them defines, after the include, the hooks declared below:
  *   linear_forward, linear_backward - the matrix products, the one thing the two levels teach
  *   level_create, level_destroy     - the level's own state (level 6: its cuBLAS handle)
- * so diffing the two levels shows only the matrix products.
+ * so diffing the two levels shows only the matrix products. Level 7 (level7_fused/mlp.cu) is level 6
+ * with its own epoch: it defines LEVEL_TRAINS_ITS_OWN_EPOCH and the hook train_steps (below).
  *
  * The layer functions keep level 4's names, order and arguments (outputs, inputs, weights, sizes),
  * with the model first for its stream. Each one launches a kernel and checks the launch, so the
@@ -52,6 +53,10 @@ struct mlp {
     int order_capacity;
     float *losses;                /* (loss_capacity) an epoch's per-step losses, copied back once per epoch */
     int loss_capacity;
+    /* Level 7's fused epoch only (NULL at levels 5 and 6): */
+    float *exchange;              /* (exchange_capacity) what the blocks hand each other across a grid barrier */
+    int exchange_capacity;
+    unsigned *barrier;            /* (2) the grid barrier: arrivals, generation */
 };
 
 /* A failed CUDA call: out of device memory is MLP_ERR_ALLOC, anything else MLP_ERR_DEVICE. */
@@ -73,8 +78,12 @@ static int cuda_fail(cudaError_t err, const char *call, const char *file, int li
     } while (0)
 
 /* Blocks of THREADS threads that cover n items; the last block may be partly idle, hence the
- * bounds check that opens every kernel. */
-static unsigned blocks_for(long n) { return (unsigned)((n + THREADS - 1) / THREADS); }
+ * bounds check that opens every kernel. A kernel's index is a size_t, computed as one: with up to
+ * MLP_MAX_ELEMENTS items (mlp.h), blockIdx.x * blockDim.x would overflow an int near the end. */
+static unsigned blocks_for(size_t n) { return (unsigned)((n + THREADS - 1) / THREADS); }
+
+/* This thread's index in a 1-D grid. */
+__device__ size_t thread_index() { return (size_t)blockIdx.x * blockDim.x + threadIdx.x; }
 
 /* ---- the level's hooks, defined by level5_cuda_naive/mlp.cu and level6_cublas/mlp.cu ---- */
 
@@ -100,28 +109,28 @@ static int level_destroy(mlp *m);
  * One thread per element of x, so neighbouring threads copy neighbouring floats of a row. */
 __global__ void gather_kernel(float *x, int *y, const float *data_x, const int *data_y, const int *order, int B,
                               int n_in) {
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= B * n_in) return;
-    const int r = i / n_in, k = i % n_in;
+    const size_t i = thread_index();
+    if (i >= (size_t)B * n_in) return;
+    const int r = (int)(i / n_in), k = (int)(i % n_in);
     x[i] = data_x[(size_t)order[r] * n_in + k];
     if (k == 0) y[r] = data_y[order[r]];
 }
 
 static int gather(mlp *m, float *x, int *y, const float *data_x, const int *data_y, const int *order, int B, int n_in) {
-    gather_kernel<<<blocks_for((long)B * n_in), THREADS, 0, m->stream>>>(x, y, data_x, data_y, order, B, n_in);
+    gather_kernel<<<blocks_for((size_t)B * n_in), THREADS, 0, m->stream>>>(x, y, data_x, data_y, order, B, n_in);
     CUDA_CHECK(cudaGetLastError());
     return MLP_OK;
 }
 
 /* out (B, n) += b (n), broadcast over the rows: the "+ b" of a linear layer. One thread per element. */
 __global__ void bias_forward_kernel(float *out, const float *b, int B, int n) {
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= B * n) return;
+    const size_t i = thread_index();
+    if (i >= (size_t)B * n) return;
     out[i] += b[i % n];
 }
 
 static int bias_forward(mlp *m, float *out, const float *b, int B, int n) {
-    bias_forward_kernel<<<blocks_for((long)B * n), THREADS, 0, m->stream>>>(out, b, B, n);
+    bias_forward_kernel<<<blocks_for((size_t)B * n), THREADS, 0, m->stream>>>(out, b, B, n);
     CUDA_CHECK(cudaGetLastError());
     return MLP_OK;
 }
@@ -129,8 +138,8 @@ static int bias_forward(mlp *m, float *out, const float *b, int B, int n) {
 /* Backward of out += b: db (n) = sum over the rows of dout (B, n). One thread per column, adding
  * the rows in order (see "Determinism" above); neighbouring threads read neighbouring floats. */
 __global__ void bias_backward_kernel(float *db, const float *dout, int B, int n) {
-    const int o = blockIdx.x * blockDim.x + threadIdx.x;
-    if (o >= n) return;
+    const size_t o = thread_index();
+    if (o >= (size_t)n) return;
     float sum = 0.0f;
     for (int r = 0; r < B; r++) sum += dout[(size_t)r * n + o];
     db[o] = sum;
@@ -143,26 +152,26 @@ static int bias_backward(mlp *m, float *db, const float *dout, int B, int n) {
 }
 
 /* a = max(h, 0), n elements. */
-__global__ void relu_forward_kernel(float *a, const float *h, int n) {
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+__global__ void relu_forward_kernel(float *a, const float *h, size_t n) {
+    const size_t i = thread_index();
     if (i >= n) return;
     a[i] = h[i] > 0.0f ? h[i] : 0.0f;
 }
 
-static int relu_forward(mlp *m, float *a, const float *h, int n) {
+static int relu_forward(mlp *m, float *a, const float *h, size_t n) {
     relu_forward_kernel<<<blocks_for(n), THREADS, 0, m->stream>>>(a, h, n);
     CUDA_CHECK(cudaGetLastError());
     return MLP_OK;
 }
 
 /* Backward of a = max(h, 0): dh = da where h > 0, else 0. The mask comes from h, the ReLU's input. */
-__global__ void relu_backward_kernel(float *dh, const float *da, const float *h, int n) {
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+__global__ void relu_backward_kernel(float *dh, const float *da, const float *h, size_t n) {
+    const size_t i = thread_index();
     if (i >= n) return;
     dh[i] = h[i] > 0.0f ? da[i] : 0.0f;
 }
 
-static int relu_backward(mlp *m, float *dh, const float *da, const float *h, int n) {
+static int relu_backward(mlp *m, float *dh, const float *da, const float *h, size_t n) {
     relu_backward_kernel<<<blocks_for(n), THREADS, 0, m->stream>>>(dh, da, h, n);
     CUDA_CHECK(cudaGetLastError());
     return MLP_OK;
@@ -185,11 +194,11 @@ __device__ float warp_sum(float v) {
  * Subtracting the row max before exp() keeps it finite for any logits; log-sum-exp gives the loss. */
 __global__ void softmax_xent_forward_kernel(float *probs, float *row_loss, const float *logits, const int *y, int B,
                                             int n_out) {
-    const int r = (blockIdx.x * blockDim.x + threadIdx.x) / WARP;
+    const size_t r = thread_index() / WARP;
     const int lane = threadIdx.x % WARP;
     /* THREADS is a whole number of warps, so a warp leaves here all together or not at all, and the
      * shuffles below always have all 32 lanes. */
-    if (r >= B) return;
+    if (r >= (size_t)B) return;
     const float *row = logits + (size_t)r * n_out;
     float *p = probs + (size_t)r * n_out;
     float max = -INFINITY;
@@ -206,11 +215,12 @@ __global__ void softmax_xent_forward_kernel(float *probs, float *row_loss, const
 }
 
 /* loss (1) = mean of row_loss (B). One block of THREADS threads, one fixed order (see "Determinism"):
- * thread t adds rows t, t + THREADS, ... in turn, then the block halves its partial sums pairwise. */
+ * thread t adds rows t, t + THREADS, ... in turn, then the block halves its partial sums pairwise.
+ * In double, as level 4: a float running sum over a large batch drifts, and the mean must not. */
 __global__ void mean_loss_kernel(float *loss, const float *row_loss, int B) {
-    __shared__ float partial[THREADS];
+    __shared__ double partial[THREADS];
     const int t = threadIdx.x;
-    float sum = 0.0f;
+    double sum = 0.0;
     for (int r = t; r < B; r += THREADS) sum += row_loss[r];
     partial[t] = sum;
     __syncthreads();
@@ -218,7 +228,7 @@ __global__ void mean_loss_kernel(float *loss, const float *row_loss, int B) {
         if (t < half) partial[t] += partial[t + half];
         __syncthreads();
     }
-    if (t == 0) *loss = partial[0] / (float)B;
+    if (t == 0) *loss = (float)(partial[0] / B);
 }
 
 /* loss (1, on the device) = mean cross-entropy of logits (B, n_out) against y (B); also leaves
@@ -226,7 +236,7 @@ __global__ void mean_loss_kernel(float *loss, const float *row_loss, int B) {
  * epoch collects its steps' losses there and copies them back once. */
 static int softmax_xent_forward(mlp *m, float *loss, float *probs, float *row_loss, const float *logits, const int *y,
                                 int B, int n_out) {
-    softmax_xent_forward_kernel<<<blocks_for((long)B * WARP), THREADS, 0, m->stream>>>(probs, row_loss, logits, y, B,
+    softmax_xent_forward_kernel<<<blocks_for((size_t)B * WARP), THREADS, 0, m->stream>>>(probs, row_loss, logits, y, B,
                                                                                         n_out);
     CUDA_CHECK(cudaGetLastError());
     mean_loss_kernel<<<1, THREADS, 0, m->stream>>>(loss, row_loss, B);
@@ -237,27 +247,27 @@ static int softmax_xent_forward(mlp *m, float *loss, float *probs, float *row_lo
 /* Backward of the mean cross-entropy: dlogits = (softmax - onehot(y)) / B, one thread per element.
  * In place over probs is fine: each thread reads and then writes only its own element. */
 __global__ void softmax_xent_backward_kernel(float *dlogits, const float *probs, const int *y, int B, int n_out) {
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= B * n_out) return;
-    const int r = i / n_out, o = i % n_out;
+    const size_t i = thread_index();
+    if (i >= (size_t)B * n_out) return;
+    const int r = (int)(i / n_out), o = (int)(i % n_out);
     const float onehot = (o == y[r]) ? 1.0f : 0.0f;
     dlogits[i] = (probs[i] - onehot) / (float)B;
 }
 
 static int softmax_xent_backward(mlp *m, float *dlogits, const float *probs, const int *y, int B, int n_out) {
-    softmax_xent_backward_kernel<<<blocks_for((long)B * n_out), THREADS, 0, m->stream>>>(dlogits, probs, y, B, n_out);
+    softmax_xent_backward_kernel<<<blocks_for((size_t)B * n_out), THREADS, 0, m->stream>>>(dlogits, probs, y, B, n_out);
     CUDA_CHECK(cudaGetLastError());
     return MLP_OK;
 }
 
 /* p -= lr * dp, n elements. */
-__global__ void sgd_update_kernel(float *p, const float *dp, float lr, int n) {
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+__global__ void sgd_update_kernel(float *p, const float *dp, float lr, size_t n) {
+    const size_t i = thread_index();
     if (i >= n) return;
     p[i] -= lr * dp[i];
 }
 
-static int sgd_update(mlp *m, float *p, const float *dp, float lr, int n) {
+static int sgd_update(mlp *m, float *p, const float *dp, float lr, size_t n) {
     sgd_update_kernel<<<blocks_for(n), THREADS, 0, m->stream>>>(p, dp, lr, n);
     CUDA_CHECK(cudaGetLastError());
     return MLP_OK;
@@ -271,14 +281,14 @@ static int forward_backward(mlp *m, float *loss, const float *x, const int *y, i
     const int H = m->hidden, O = m->n_out;
     int status = linear_forward(m, m->h, x, m->w1, B, m->n_in, H);
     if (!status) status = bias_forward(m, m->h, m->b1, B, H);
-    if (!status) status = relu_forward(m, m->a, m->h, B * H);
+    if (!status) status = relu_forward(m, m->a, m->h, (size_t)B * H);
     if (!status) status = linear_forward(m, m->logits, m->a, m->w2, B, H, O);
     if (!status) status = bias_forward(m, m->logits, m->b2, B, O);
     if (!status) status = softmax_xent_forward(m, loss, m->dlogits, m->row_loss, m->logits, y, B, O);
     if (!status) status = softmax_xent_backward(m, m->dlogits, m->dlogits, y, B, O);
     if (!status) status = linear_backward(m, m->da, m->dw2, m->dlogits, m->a, m->w2, B, H, O);
     if (!status) status = bias_backward(m, m->db2, m->dlogits, B, O);
-    if (!status) status = relu_backward(m, m->dh, m->da, m->h, B * H);
+    if (!status) status = relu_backward(m, m->dh, m->da, m->h, (size_t)B * H);
     if (!status) status = linear_backward(m, NULL, m->dw1, m->dh, x, m->w1, B, m->n_in, H);
     if (!status) status = bias_backward(m, m->db1, m->dh, B, H);
     return status;
@@ -307,6 +317,8 @@ static cudaError_t free_batch_buffers(mlp *m) {
 /* A failure half way leaves capacity 0 and some buffers allocated: the next call, or mlp_destroy, frees them. */
 static int ensure_capacity(mlp *m, int rows) {
     if (rows <= m->capacity) return MLP_OK;
+    const int status = check_elements(rows, m->n_in > m->hidden ? m->n_in : m->hidden);
+    if (status) return status;
     CUDA_CHECK(free_batch_buffers(m));
     const size_t R = (size_t)rows;
     CUDA_CHECK(cudaMalloc(&m->x, sizeof(float) * R * m->n_in));
@@ -395,7 +407,7 @@ int mlp_destroy(mlp *m) {
     if (!m) return MLP_OK;
     int status = level_destroy(m); /* first: level 6's cuBLAS handle is bound to the stream */
     cudaError_t err = free_device({m->w1, m->b1, m->w2, m->b2, m->dw1, m->db1, m->dw2, m->db2, m->data_x, m->data_y,
-                                   m->order, m->losses});
+                                   m->order, m->losses, m->exchange, m->barrier});
     const cudaError_t batch_err = free_batch_buffers(m);
     if (err == cudaSuccess) err = batch_err;
     if (m->stream) {
@@ -440,7 +452,7 @@ int mlp_forward(mlp *m, float *logits, const float *x, int n) {
                                    cudaMemcpyHostToDevice, m->stream));
         status = linear_forward(m, m->h, m->x, m->w1, B, m->n_in, m->hidden);
         if (!status) status = bias_forward(m, m->h, m->b1, B, m->hidden);
-        if (!status) status = relu_forward(m, m->a, m->h, B * m->hidden);
+        if (!status) status = relu_forward(m, m->a, m->h, (size_t)B * m->hidden);
         if (!status) status = linear_forward(m, m->logits, m->a, m->w2, B, m->hidden, m->n_out);
         if (!status) status = bias_forward(m, m->logits, m->b2, B, m->n_out);
         if (status) return status;
@@ -494,10 +506,32 @@ int mlp_set_data(mlp *m, const float *x, const int *y, int n) {
     return MLP_OK;
 }
 
-/* The whole epoch is queued on the stream without waiting: the host uploads the order once, then
- * for each step queues gather, forward, backward and update, each step's loss going to
- * m->losses[step] on the device. One copy brings all the losses back, and one synchronization ends
- * the epoch. */
+/* The steps of an epoch over the rows m->order[0 .. n_order), each step's loss to m->losses[step], all
+ * queued on the stream without waiting: for each step, gather, forward, backward and update. */
+static int queue_steps(mlp *m, int n_order, int batch_size, float lr) {
+    for (int start = 0, step = 0; start < n_order; start += batch_size, step++) {
+        const int B = n_order - start < batch_size ? n_order - start : batch_size;
+        int status = gather(m, m->x, m->y, m->data_x, m->data_y, m->order + start, B, m->n_in);
+        if (!status) status = forward_backward(m, m->losses + step, m->x, m->y, B);
+        if (!status) status = sgd_update(m, m->w1, m->dw1, lr, (size_t)m->hidden * m->n_in);
+        if (!status) status = sgd_update(m, m->b1, m->db1, lr, (size_t)m->hidden);
+        if (!status) status = sgd_update(m, m->w2, m->dw2, lr, (size_t)m->n_out * m->hidden);
+        if (!status) status = sgd_update(m, m->b2, m->db2, lr, (size_t)m->n_out);
+        if (status) return status;
+    }
+    return MLP_OK;
+}
+
+#ifdef LEVEL_TRAINS_ITS_OWN_EPOCH
+/* Level 7 trains the steps its own way (one fused kernel), with queue_steps as its fallback. */
+static int train_steps(mlp *m, int n_order, int batch_size, float lr);
+#else
+static int train_steps(mlp *m, int n_order, int batch_size, float lr) { return queue_steps(m, n_order, batch_size, lr); }
+#endif
+
+/* The whole epoch runs on the stream without waiting: the host uploads the order once, then the steps
+ * are queued (train_steps), each step's loss going to m->losses[step] on the device. One copy brings
+ * all the losses back, and one synchronization ends the epoch. */
 int mlp_train_epoch(mlp *m, float *losses, const int *order, int n_order, int batch_size, float lr) {
     if (!m || !losses || !order) return FAIL(MLP_ERR_ARG, "NULL argument");
     int status = check_epoch(order, n_order, batch_size, m->n_data);
@@ -508,16 +542,8 @@ int mlp_train_epoch(mlp *m, float *losses, const int *order, int n_order, int ba
     if (!status) status = ensure_buffer(&m->losses, &m->loss_capacity, steps);
     if (status) return status;
     CUDA_CHECK(cudaMemcpyAsync(m->order, order, sizeof(int) * (size_t)n_order, cudaMemcpyHostToDevice, m->stream));
-    for (int start = 0, step = 0; start < n_order; start += batch_size, step++) {
-        const int B = n_order - start < batch_size ? n_order - start : batch_size;
-        status = gather(m, m->x, m->y, m->data_x, m->data_y, m->order + start, B, m->n_in);
-        if (!status) status = forward_backward(m, m->losses + step, m->x, m->y, B);
-        if (!status) status = sgd_update(m, m->w1, m->dw1, lr, m->hidden * m->n_in);
-        if (!status) status = sgd_update(m, m->b1, m->db1, lr, m->hidden);
-        if (!status) status = sgd_update(m, m->w2, m->dw2, lr, m->n_out * m->hidden);
-        if (!status) status = sgd_update(m, m->b2, m->db2, lr, m->n_out);
-        if (status) return status;
-    }
+    status = train_steps(m, n_order, batch_size, lr);
+    if (status) return status;
     CUDA_CHECK(cudaMemcpyAsync(losses, m->losses, sizeof(float) * (size_t)steps, cudaMemcpyDeviceToHost, m->stream));
     CUDA_CHECK(cudaStreamSynchronize(m->stream));
     return MLP_OK;
