@@ -12,7 +12,7 @@ CFLAGS  := -O3 -march=native -std=c11 -Wall -Wextra -Wpedantic -Werror -fPIC
 CUDA_ARCH := -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
 NVFLAGS := -O3 -std=c++17 $(CUDA_ARCH) -Xcompiler -fPIC,-Wall,-Wextra -Werror all-warnings --shared
 
-.PHONY: all compare bench test test-gpu check-memory check-memory-gpu levels level4 level5 level6 notebooks clean
+.PHONY: all compare bench test test-gpu check-memory check-memory-gpu levels level4 level5 level6 level7 notebooks clean
 
 all: compare
 
@@ -47,15 +47,23 @@ CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
 CUBLAS_HOME ?= $(shell if [ -f $(CUDA_HOME)/include/cublas_v2.h ]; then echo $(CUDA_HOME); \
 	else $(PYTHON) -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13"))' 2>/dev/null; fi)
 CUBLAS_LIB = $(firstword $(wildcard $(CUBLAS_HOME)/lib64/libcublas.so $(CUBLAS_HOME)/lib/libcublas.so.13))
-level6: level6_cublas/libmlp.so
-level6_cublas/libmlp.so: level6_cublas/mlp.cu common/cuda_mlp.cuh common/mlp.h common/mlp_status.h
-	@[ -n "$(NVCC)" ] || { echo "level 6 needs nvcc (the CUDA toolkit)"; exit 1; }
-	@[ -n "$(CUBLAS_LIB)" ] || { echo "level 6 needs cuBLAS: the CUDA toolkit's, or run: $(PYTHON) -m pip install -e '.[cublas]'"; exit 1; }
+# Levels 6 and 7 (level 7 includes level 6's file) link cuBLAS the same way: the recipe for both.
+define build_with_cublas
+	@[ -n "$(NVCC)" ] || { echo "$@ needs nvcc (the CUDA toolkit)"; exit 1; }
+	@[ -n "$(CUBLAS_LIB)" ] || { echo "$@ needs cuBLAS: the CUDA toolkit's, or run: $(PYTHON) -m pip install -e '.[cublas]'"; exit 1; }
 	$(NVCC) $(NVFLAGS) -Icommon -I$(CUBLAS_HOME)/include -o $@ $< \
 		-L$(dir $(CUBLAS_LIB)) -l:$(notdir $(CUBLAS_LIB)) -Xlinker -rpath,$(dir $(CUBLAS_LIB))
+endef
+level6: level6_cublas/libmlp.so
+level6_cublas/libmlp.so: level6_cublas/mlp.cu common/cuda_mlp.cuh common/mlp.h common/mlp_status.h
+	$(build_with_cublas)
 
-# Every native level this machine can build: level 4 always, 5 and 6 where nvcc is.
-levels: level4 $(if $(NVCC),level5 level6)
+level7: level7_fused/libmlp.so
+level7_fused/libmlp.so: level7_fused/mlp.cu level6_cublas/mlp.cu common/cuda_mlp.cuh common/mlp.h common/mlp_status.h
+	$(build_with_cublas)
+
+# Every native level this machine can build: level 4 always, 5 to 7 where nvcc is.
+levels: level4 $(if $(NVCC),level5 level6 level7)
 
 # ---- the main job and the tests ----
 # With PYTHON=python3 (the GPU machine) the targets use that interpreter as it is, without the venv.
@@ -73,7 +81,7 @@ test: $(ENV) levels
 # On the GPU machine: its own python3 (PyTorch with CUDA), no virtual environment, no network
 # (so not the tests that fetch from PyPI); GPU tests may not skip there.
 test-gpu:
-	$(MAKE) level4 level5 level6 PYTHON=python3
+	$(MAKE) level4 level5 level6 level7 PYTHON=python3
 	python3 -m pytest --require-gpu -m "not pypi" $(ARGS)
 
 # The level-4 library driven from C under valgrind (leaks, invalid reads and writes) and under ASan + UBSan.
@@ -90,12 +98,12 @@ check-memory: level4
 # and with them the models, which it then reports as leaked at exit. The tests' own memcheck test is left
 # out: it starts a compute-sanitizer of its own, which cannot run inside this one.
 check-memory-gpu:
-	$(MAKE) level5 level6 PYTHON=python3
+	$(MAKE) level5 level6 level7 PYTHON=python3
 	compute-sanitizer --tool memcheck --leak-check full --show-backtrace no --error-exitcode 1 \
-		python3 -m pytest -q --require-gpu -m "(level5 or level6) and not notebooks" -k "not memcheck" $(ARGS)
+		python3 -m pytest -q --require-gpu -m "(level5 or level6 or level7) and not notebooks" -k "not memcheck" $(ARGS)
 
 notebooks: $(ENV) levels
 	$(VENV)/bin/jupyter lab
 
 clean:
-	rm -rf level4_c/libmlp.so level5_cuda_naive/libmlp.so level6_cublas/libmlp.so build
+	rm -rf level4_c/libmlp.so level5_cuda_naive/libmlp.so level6_cublas/libmlp.so level7_fused/libmlp.so build

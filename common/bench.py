@@ -24,8 +24,9 @@ import numpy as np
 
 
 from common import compare
+from common.contract import immutable
 from common.data import load_mnist, normalize
-from common.levels import ROOT, gpu_available, level, missing
+from common.levels import LEVELS, ROOT, gpu_available, missing
 from common.model import init_params
 
 PRESETS = {
@@ -50,12 +51,13 @@ def profile_gpu(steps: int = 400) -> list[dict]:
     rows = []
     for batch, hidden in PROFILE_SHAPES:
         n = steps * batch  # the data set repeated as needed: only the timing matters here
-        X, y = normalize(np.resize(data.train_images, (n, data.train_images.shape[1]))), np.resize(data.train_labels, n).copy()
-        y.flags.writeable = False  # read-only, as in the harness: the data set is uploaded once, not every epoch
-        for lv, options in ((level(1), {"device": "cuda"}), (level(5), {}), (level(6), {})):
-            if missing(lv, "cuda"):
-                continue
-            model = lv.load()(init_params(0, hidden), **options)
+        X = normalize(np.resize(data.train_images, (n, data.train_images.shape[1])))
+        y = immutable(np.resize(data.train_labels, n))  # immutable, as in the harness: uploaded once, not every epoch
+        gpu_runs = [compare.Run(f"{lv.name}[cuda]", lv.number, "cuda", compare.factory(lv, "cuda"))
+                    for lv, device in compare.runs_for([lv.number for lv in LEVELS], gpu=True)
+                    if device == "cuda" and not missing(lv, "cuda")]
+        for run in gpu_runs[:1] + compare.peer_runs() + gpu_runs[1:]:
+            model = run.factory(init_params(0, hidden))
             model.train_epoch(X, y, batch, 0.01)  # warm-up and the one upload of the data set
             start = time.perf_counter()
             model.train_epoch(X, y, batch, 0.01)
@@ -69,7 +71,7 @@ def profile_gpu(steps: int = 400) -> list[dict]:
             gpu_us = sum(busy.values())
             rows.append(
                 {
-                    "level": f"{lv.name}[cuda]",
+                    "level": run.label,
                     "batch": batch,
                     "hidden": hidden,
                     "wall_us_per_step": wall * 1e6,
@@ -82,7 +84,7 @@ def profile_gpu(steps: int = 400) -> list[dict]:
             r = rows[-1]
             print(
                 f"{r['level']:<14} batch {batch:>3}, hidden {hidden:>4}: {r['wall_us_per_step']:7.1f} us/step = "
-                f"{gpu_us:7.1f} us of GPU work in {r['launches_per_step']:.0f} launches + {r['other_us_per_step']:7.1f} us "
+                f"{gpu_us:7.1f} us of GPU work in {r['launches_per_step']:.2g} launches + {r['other_us_per_step']:7.1f} us "
                 f"launch overhead and gaps; busiest: "
                 + ", ".join(f"{name[:40]} {us:.1f} us" for name, us in r["top_kernels"])
             )
@@ -100,16 +102,17 @@ def markdown_table(results: dict) -> str:
         f"**{s['train_size']:,} images x {s['epochs']} epochs, batch {s['batch']}, hidden {s['hidden']}** - {where}; "
         f"data: {results['data'].rsplit(', ', 1)[0]}",
         "",
-        "| level | train s | us/step (median epoch) | steps/s | vs level 1 CPU | vs level 1 CUDA | GFLOP/s | test acc "
-        "| lockstep | ties | free run | check |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| implementation | train s | us/step (median epoch) | steps/s | vs level 1 CPU | vs torch eager | vs torch graph "
+        "| GFLOP/s | test acc | lockstep | ties | free run | check |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in results["table"]:
-        vs_cuda = f"{r['speedup_vs_level1_cuda']:.2f}x" if r.get("speedup_vs_level1_cuda") else "-"
+        vs = {k: f"{r[k]:.2f}x" if r.get(k) else "-" for k in ("speedup_vs_eager", "speedup_vs_graph")}
         share = {k: f"{r[k]:.2f}" if r[k] is not None else "-" for k in ("lockstep_used", "free_run_used")}
         lines.append(
-            f"| {r['level']} | {r['train_s']:.2f} | {r['us_per_step']:.1f} | {r['steps_per_s']:.0f} | "
-            f"{r['speedup_vs_level1']:.2f}x | {vs_cuda} | {r['gflops']:.2f} | {r['test_accuracy']:.4f} | "
+            f"| {r['level']} | {r['train_s']:.3f} | {r['us_per_step']:.1f} | {r['steps_per_s']:.0f} | "
+            f"{r['speedup_vs_level1']:.2f}x | {vs['speedup_vs_eager']} | {vs['speedup_vs_graph']} | {r['gflops']:.2f} | "
+            f"{r['test_accuracy']:.4f} | "
             f"{share['lockstep_used']} | {r['ties'] if r['ties'] is not None else '-'} | {share['free_run_used']} | "
             f"{'ok' if r['agrees'] else 'FAIL'} |"
         )
@@ -132,7 +135,7 @@ def profile_markdown(rows: list[dict]) -> str:
         busiest = ", ".join(f"`{kernel_name(name)}` {us:.1f}" for name, us in r["top_kernels"])
         lines.append(
             f"| {r['level']} | {r['batch']} | {r['hidden']} | {r['wall_us_per_step']:.1f} | {r['kernel_us_per_step']:.1f} | "
-            f"{r['launches_per_step']:.0f} | {r['other_us_per_step']:.1f} | {busiest} |"
+            f"{r['launches_per_step']:.2g} | {r['other_us_per_step']:.1f} | {busiest} |"
         )
     return "\n".join(lines)
 

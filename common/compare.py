@@ -22,6 +22,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 from tqdm import tqdm
@@ -32,15 +33,17 @@ from common.levels import LEVELS, ROOT, Level, gpu_available, level, missing
 from common.model import HIDDEN, flops_per_step, init_params
 
 REFERENCE = "level1[cpu]"
+PEERS = ("torch-eager", "torch-graph")  # level1_pytorch/peers.py: on a GPU, the yardsticks of speed
 
 
 @dataclass
 class Run:
-    """One level on one device: its free run (losses, times, test predictions) and its verdicts."""
+    """One implementation on one device: its free run (losses, times, test predictions) and its verdicts."""
 
     label: str
     level: int
     device: str
+    factory: Callable  # params -> a fresh model of this implementation
     losses: list[float] = field(default_factory=list)
     epoch_seconds: list[float] = field(default_factory=list)
     test_accuracy: float = 0.0
@@ -66,9 +69,16 @@ def runs_for(numbers: list[int], gpu: bool) -> list[tuple[Level, str]]:
     return pairs
 
 
-def make_model(lv: Level, device: str, params, **options):
-    """A fresh model of the level (level 1 takes its device)."""
-    return lv.load()(params, device=device, **options) if lv.number == 1 else lv.load()(params)
+def factory(lv: Level, device: str, **options) -> Callable:
+    """params -> a fresh model of the level (level 1 takes its device)."""
+    return (lambda params: lv.load()(params, device=device, **options)) if lv.number == 1 else lv.load()
+
+
+def peer_runs() -> list[Run]:
+    """The PyTorch peers on the GPU (level1_pytorch/peers.py), for the speed columns; verified like the levels."""
+    from level1_pytorch import peers
+
+    return [Run(f"{name}[cuda]", 1, "cuda", cls) for name, cls in zip(PEERS, (peers.Eager, peers.Graph))]
 
 
 def epoch_order(n: int, epoch: int, seed: int, shuffle: bool) -> np.ndarray:
@@ -105,7 +115,7 @@ def verify_runs(runs: list[Run], twin: Run, params, X, y, y_test, orders, args, 
         return
     noise = verify.free_run_noise(reference.losses, twin.losses, reference.predictions, twin.predictions, args.epochs)
     checked = [run for run in runs[1:] if not run.failure]
-    models = {run.label: make_model(level(run.level), run.device, params) for run in checked}
+    models = {run.label: run.factory(params) for run in checked}
     records, reference_diverged = verify.lockstep(models, params, X, y, orders, args.batch, args.lr, quiet)
     for run in checked:
         record = records[run.label]
@@ -146,12 +156,12 @@ def machine() -> dict[str, str]:
 
 def summarize(runs: list[Run], args, steps_per_epoch: int) -> list[dict]:
     """One table row per run. Times are the median epoch (one disturbed epoch cannot move a ratio); speedups are
-    against level 1 on the CPU (and on CUDA, if run), measured in this same run."""
+    against level 1 on the CPU and, on a GPU, against the two PyTorch peers, all measured in this same run."""
     def median_epoch(run: Run) -> float:
         return float(np.median(run.epoch_seconds))
 
     reference = median_epoch(runs[0])
-    torch_gpu = next((median_epoch(r) for r in runs if r.level == 1 and r.device == "cuda"), None)
+    peer = {name: next((median_epoch(r) for r in runs if r.label == f"{name}[cuda]"), None) for name in PEERS}
     rows = []
     for run in runs:
         epoch = median_epoch(run)
@@ -164,7 +174,8 @@ def summarize(runs: list[Run], args, steps_per_epoch: int) -> list[dict]:
             "us_per_step": 1e6 * epoch / steps_per_epoch,
             "steps_per_s": steps_per_epoch / epoch,
             "speedup_vs_level1": reference / epoch,
-            "speedup_vs_level1_cuda": torch_gpu / epoch if torch_gpu else None,
+            "speedup_vs_eager": peer["torch-eager"] / epoch if peer["torch-eager"] else None,
+            "speedup_vs_graph": peer["torch-graph"] / epoch if peer["torch-graph"] else None,
             "gflops": flops_per_step(args.batch, args.hidden) * steps_per_epoch / epoch / 1e9,
             "final_loss": float(np.mean(run.losses[-steps_per_epoch:])),
             "test_accuracy": run.test_accuracy,
@@ -182,23 +193,24 @@ def _share(value) -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-    """The table a student reads: speed against level 1, and the two checks against it.
+    """The table a student reads: speed against level 1 (and the PyTorch peers), and the two checks against level 1.
 
     lockstep and free run: the largest share of its tolerance a level used (1.00 = at the limit; above: FAIL).
     """
-    gpu = any(r["speedup_vs_level1_cuda"] for r in rows)
+    gpu = any(r["speedup_vs_graph"] for r in rows)
     head = (
-        f"{'level':<16}{'train s':>9}{'us/step':>10}{'steps/s':>10}{'vs L1 cpu':>10}{'vs L1 cuda' if gpu else '':>11}"
-        f"{'GFLOP/s':>9}{'loss':>9}{'test acc':>10}{'lockstep':>10}{'ties':>6}{'free run':>10}  check"
+        f"{'level':<19}{'train s':>9}{'us/step':>10}{'steps/s':>10}{'vs L1 cpu':>10}"
+        + (f"{'vs eager':>10}{'vs graph':>10}" if gpu else "")
+        + f"{'GFLOP/s':>9}{'loss':>9}{'test acc':>10}{'lockstep':>10}{'ties':>6}{'free run':>10}  check"
     )
     print(head)
     print("-" * len(head))
     for r in rows:
-        vs_cuda = f"{r['speedup_vs_level1_cuda']:>10.2f}x" if gpu else f"{'':>11}"
+        vs_peers = f"{r['speedup_vs_eager']:>9.2f}x{r['speedup_vs_graph']:>9.2f}x" if gpu else ""
         check = "ok" if r["agrees"] else ("DIVERGED" if "diverged" in (r["failure"] or "") else "FAIL")
         print(
-            f"{r['level']:<16}{r['train_s']:>9.2f}{r['us_per_step']:>10.1f}{r['steps_per_s']:>10.0f}"
-            f"{r['speedup_vs_level1']:>9.2f}x{vs_cuda}{r['gflops']:>9.2f}{r['final_loss']:>9.4f}"
+            f"{r['level']:<19}{r['train_s']:>9.2f}{r['us_per_step']:>10.1f}{r['steps_per_s']:>10.0f}"
+            f"{r['speedup_vs_level1']:>9.2f}x{vs_peers}{r['gflops']:>9.2f}{r['final_loss']:>9.4f}"
             f"{r['test_accuracy']:>10.4f}{_share(r['lockstep_used']):>10}{r['ties'] if r['ties'] is not None else '-':>6}"
             f"{_share(r['free_run_used']):>10}  {check}"
         )
@@ -275,6 +287,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--out", type=Path, default=ROOT / "results" / "local", help="folder for results.json and plots")
     p.add_argument("--quiet", action="store_true", help="no progress bars (also when not on a terminal or in CI)")
+    p.add_argument("--no-peers", action="store_true", help="on a GPU, leave out the PyTorch peers (eager, CUDA graph)")
     args = p.parse_args(argv)
     try:
         args.levels = [int(n) for n in args.levels.split(",")]
@@ -329,11 +342,14 @@ def main(argv: list[str] | None = None) -> int:
         if why := missing(lv, device):
             print(f"skipping {lv.name} ({lv.title}): {'; '.join(why)}")
             continue
-        run = Run(f"{lv.name}[{device}]", lv.number, device)
-        runs.append(train(make_model(lv, device, params), run, X, y, X_test, y_test, orders, args, quiet))
+        runs.append(Run(f"{lv.name}[{device}]", lv.number, device, factory(lv, device)))
+    if gpu_available() and not args.no_peers:
+        runs += peer_runs()
     if not runs or runs[0].label != REFERENCE:
         raise SystemExit(f"{REFERENCE} must run: it is the reference every level is checked against")
-    twin = train(make_model(level(1), "cpu", params, dtype="float64"), Run("level1[cpu, float64]", 1, "cpu"),
+    for run in runs:
+        train(run.factory(params), run, X, y, X_test, y_test, orders, args, quiet)
+    twin = train(factory(level(1), "cpu", dtype="float64")(params), Run("level1[cpu, float64]", 1, "cpu", None),
                  X, y, X_test, y_test, orders, args, quiet)
     verify_runs(runs, twin, params, X, y, y_test, orders, args, quiet)
 
@@ -345,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         f"free run against float32 noise (common/verify.py)\n"
     )
     print_table(rows)
-    settings = {k: v for k, v in vars(args).items() if k not in ("out", "quiet")}
+    settings = {k: v for k, v in vars(args).items() if k not in ("out", "quiet", "no_peers")}
     settings["train_size"] = n
     results = {
         "settings": settings,

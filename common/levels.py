@@ -49,6 +49,7 @@ LEVELS: tuple[Level, ...] = (
     Level(4, "level4_c", "Plain C through cffi", ("cc",), "libmlp.so"),
     Level(5, "level5_cuda_naive", "Naive CUDA kernels", ("nvcc", "gpu"), "libmlp.so"),
     Level(6, "level6_cublas", "cuBLAS GEMMs", ("nvcc", "gpu"), "libmlp.so"),
+    Level(7, "level7_fused", "One fused persistent kernel", ("nvcc", "gpu"), "libmlp.so"),
 )
 
 

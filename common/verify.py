@@ -30,20 +30,23 @@ from common.model import N_IN, PARAM_NAMES
 # ---- 1. lockstep ----
 
 # The update rule, per tensor: ||theta_level - theta_64|| <= YARDSTICK * ||theta_1 - theta_64||
-#     + u * ||theta_64||  (the rounding of each result to float32, which no level can avoid: u * |p| bounds
-#                          half an ulp of p, u = 2^-24)
-#     + lr * gamma_B * || sum over the batch of |each term of the gradient| ||  (Higham's bound on any
-#                          float32 order of the batch sums; it matters where level 1's own sum happened to be
-#                          almost exact, e.g. the 10 bias gradients at step 0 of a batch of 256)
-# where theta_64 is the step in float64 and theta_1 level 1's. Why not a fixed relative
-# tolerance: late in training the updates are tiny beside the parameters, so rounding each parameter to
-# float32 (up to half an ulp) is a large part of an update, and where softmax is confident, p - 1 cancels.
-# Both are float32 facts that level 1 suffers too; float64 measures them step by step.
-# Measured on the full MNIST, chapter run (12,500 steps), levels 3 and 4: the largest share of this
-# allowance any tensor used on any step was 0.80 (level 3, fc2.bias; 0.30 for everything else), while a
-# learning rate 0.2% off uses 76 times the allowance within the first ten steps (and every planted bug of
-# tests/plant_bugs.py far more). YARDSTICK = 2 is PyTorch's multiple for float32 against float64.
+#     + 2u * ||theta_64||       rounding p - lr * grad to float32: one ulp of each parameter (2u|p| bounds it,
+#                               u = 2^-24) - two correct levels may round to neighbouring floats;
+#     + FLOOR * u * ||update||  the relative error a chain of float32 sums and a softmax routinely leaves in one
+#                               gradient entry, whatever level 1's luck: level 1's own error is the yardstick,
+#                               but in a tensor of one element (hidden 1) it can be almost 0 by chance.
+# where theta_64 is the step in float64 and theta_1 level 1's. Why not a fixed relative tolerance: late in
+# training the updates are tiny beside the parameters, so rounding each parameter to float32 is a large part
+# of an update, and where softmax is confident, p - 1 cancels. Both are float32 facts that level 1 suffers
+# too; float64 measures them step by step.
+# Measured on the full MNIST, chapter run (12,500 steps): at most 0.32 of this allowance used on any step by
+# any tensor (level 3; level 4: 0.23). On the H100, the one step that needed the
+# floor: level 5's lone fc1.bias entry (hidden 1, batch 1) 5.9 ulp from exact, 6.6u of its update, where level
+# 1 was within one ulp. A learning rate 0.2% off is 2e-3 = 34,000u of every update: it breaks the rule at the
+# first step (tests/test_verify.py), and so does every planted bug of tests/plant_bugs.py.
+# YARDSTICK = 2 is PyTorch's multiple for float32 against float64.
 YARDSTICK = 2.0
+FLOOR = 32
 # The loss: |loss - level 1's| <= LOSS_RTOL * level 1's loss + LOSS_ATOL. A loss is the difference of a
 # log-sum-exp and a logit, each a few units in size, so its rounding is absolute (~1e-7), not relative to
 # a loss near 0. Measured: at most 6.6e-7 (level 3, chapter run) and 9.5e-7 (level 4, 60,000 images x
@@ -83,17 +86,7 @@ class ExactStep:
     w1: np.ndarray  # (H, 784) fc1.weight before the step
     b1: np.ndarray  # (H)
     h: np.ndarray  # (B, H) the pre-activations
-    a: np.ndarray  # (B, H) the activations
-    dlogits: np.ndarray  # (B, 10)
     da: np.ndarray  # (B, H) d(loss)/d(activation), the size of a flip
-    lr: float
-
-    def summation_allowance(self) -> dict[str, float]:
-        """lr * gamma_B * ||sum over the batch of |terms||| per tensor: how far float32 batch sums may land."""
-        dh, g = np.abs(self.da * (self.h > 0)), self.lr * gamma(len(self.x))
-        dz = np.abs(self.dlogits)
-        sums = (dh.T @ np.abs(self.x), dh.sum(axis=0), dz.T @ self.a, dz.sum(axis=0))
-        return {name: g * _norm(total) for name, total in zip(PARAM_NAMES, sums)}
 
     def candidates(self) -> tuple[np.ndarray, np.ndarray]:
         """(rows, units) where float32 may put h on either side of 0: |h| <= gamma_n * S."""
@@ -122,7 +115,7 @@ def exact_step(params: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray, lr: 
     dh = da * (h > 0)
     grads = (dh.T @ x, dh.sum(axis=0), dlogits.T @ a, dlogits.sum(axis=0))
     stepped = {name: p - lr * g for name, p, g in zip(PARAM_NAMES, (w1, b1, w2, b2), grads)}
-    return ExactStep(float(np.mean(log_sum - shifted[rows, y])), stepped, x, w1, b1, h, a, dlogits, da, lr)
+    return ExactStep(float(np.mean(log_sum - shifted[rows, y])), stepped, x, w1, b1, h, da)
 
 
 def explain_flips(residual_w: np.ndarray, residual_b: np.ndarray, exact: ExactStep, lr: float):
@@ -236,8 +229,8 @@ class Lockstep:
                                       after["fc1.bias"] - expected["fc1.bias"], exact, lr)
             expected["fc1.weight"], expected["fc1.bias"] = expected["fc1.weight"] + dw, expected["fc1.bias"] + db
             own.update({name: _norm(after[name] - expected[name]) for name in ("fc1.weight", "fc1.bias")})
-        allowed = {name: YARDSTICK * own[name] + U * _norm(expected[name]) for name in PARAM_NAMES}
         size = {name: _norm(after[name] - before[name]) for name in PARAM_NAMES}
+        allowed = {n: YARDSTICK * own[n] + 2 * U * _norm(expected[n]) + FLOOR * U * size[n] for n in PARAM_NAMES}
         for label, model in self.models.items():
             record = self.records[label]
             if record.failure:
@@ -261,9 +254,6 @@ class Lockstep:
             for name in ("fc1.weight", "fc1.bias"):
                 distance[name] = _norm(got[name] - expected[name] - adjust[name])
             record.ties += [Tie(k, j, int(batch[r]), float(exact.h[r, j]), exact.bound(r, j)) for r, j in flips]
-        if any(distance[n] > allowed[n] for n in PARAM_NAMES):  # rare: worth the extra products
-            sums = exact.summation_allowance()
-            allowed = {n: allowed[n] + sums[n] for n in PARAM_NAMES}
         loss_allowed = LOSS_RTOL * abs(expected_loss) + LOSS_ATOL
         shares = [abs(loss - expected_loss) / loss_allowed] + [_share(distance[n], allowed[n]) for n in PARAM_NAMES]
         record.loss_err.append(abs(loss - expected_loss) / max(abs(expected_loss), np.finfo(np.float32).tiny))

@@ -1,7 +1,7 @@
 """Plant the chapter's classic bugs, one at a time, and show which tests catch each.
 
     python tests/plant_bugs.py                     # the CPU levels: 1, 3 and 4
-    python tests/plant_bugs.py --levels 5,6 -- --require-gpu   # on the GPU machine; after -- : pytest options
+    python tests/plant_bugs.py --levels 5,6,7 -- --require-gpu   # on the GPU machine; after -- : pytest options
 
 Each bug is a one-line edit applied to a scratch copy of the repository (the working tree is never
 touched), which is then built and tested with `pytest -m levelN`. A bug that no test catches is a
@@ -62,6 +62,12 @@ BUGS = [
      "a swapped transpose flag"),
     (6, "level6_cublas/mlp.cu", "&one, x, n_in, dout, n_out, &zero, dw,", "&one, x, n_in, dout, n_out, &one, dw,",
      "beta = 1 instead of 0 on a gradient product"),
+    (7, "level7_fused/mlp.cu", "        grid_barrier(a.barrier, G);\n\n        /* ---- softmax", "\n        /* ---- softmax",
+     "the grid barrier missing: blocks read partial logits not yet written"),
+    (7, "level7_fused/mlp.cu", "const int j0 = g * a.units,", "const int j0 = g * (a.units - 1),",
+     "a wrong owner of a weight slice: neighbouring blocks share a unit"),
+    (7, "level7_fused/mlp.cu", "rows = min(B, a.n_order - start);", "rows = B;",
+     "the partial last batch taken as a whole one"),
 ]
 
 

@@ -88,8 +88,8 @@ def test_chapter_free_run_agrees_within_float32_noise(factory, mnist, chapter_re
 # batch (a final partial step), a shuffled order, and a wide hidden layer.
 @pytest.mark.parametrize(
     "hidden, batch, n, epochs",
-    [(37, 13, 200, 3), (1, 1, 40, 2), (256, 8, 101, 2), (5, 64, 300, 2), (1024, 32, 96, 1)],
-    ids=["h37-b13", "h1-b1", "h256-b8-partial", "h5-b64", "h1024-b32"],
+    [(37, 13, 200, 3), (1, 1, 40, 2), (256, 8, 101, 2), (5, 64, 300, 2), (1024, 32, 96, 1), (1024, 64, 300, 1)],
+    ids=["h37-b13", "h1-b1", "h256-b8-partial", "h5-b64", "h1024-b32", "h1024-b64-partial"],
 )
 def test_odd_sizes_match_level1(factory, mnist, hidden, batch, n, epochs):
     X, y, X_test, y_test = mnist[0][:n], mnist[1][:n], mnist[2], mnist[3]
@@ -225,7 +225,7 @@ from common.model import init_params
 rng = np.random.default_rng(0)
 X = rng.standard_normal((1030, 784)).astype(np.float32)
 y = rng.integers(0, 10, 1030)
-for hidden, batch in ((37, 13), (1, 1), (256, 8)):
+for hidden, batch in ((37, 13), (1, 1), (256, 8), (1024, 64)):
     model = {package}.MLP(init_params(0, hidden))
     model.train_epoch(X[:200], y[:200], batch, 0.1)
     model.forward(X)
@@ -234,8 +234,10 @@ for hidden, batch in ((37, 13), (1, 1), (256, 8)):
 
 
 @pytest.mark.parametrize("impl", implementation_params(OWN_KERNELS))
-def test_kernels_stay_in_bounds_under_memcheck(impl, factory):
-    """An out-of-bounds read or write need not change a single loss; compute-sanitizer sees every one."""
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])
+def test_kernels_are_clean_under_compute_sanitizer(impl, factory, tool):
+    """An out-of-bounds access, a shared-memory race or a misused barrier need not change a single loss;
+    compute-sanitizer's memcheck, racecheck and synccheck see them."""
     import shutil
     import subprocess
     import sys
@@ -245,8 +247,8 @@ def test_kernels_stay_in_bounds_under_memcheck(impl, factory):
     if sanitizer is None:
         pytest.skip("compute-sanitizer (CUDA toolkit) not found")
     run = subprocess.run(
-        [sanitizer, "--tool", "memcheck", "--error-exitcode", "1", sys.executable, "-c",
+        [sanitizer, "--tool", tool, "--error-exitcode", "1", sys.executable, "-c",
          MEMCHECK_SCRIPT.format(package=lv.package)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=600,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

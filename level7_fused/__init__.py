@@ -1,0 +1,38 @@
+"""Level 7: one fused, persistent CUDA kernel for the steps of an epoch (mlp.cu), through the shared cffi binding.
+
+Build with `make level7`. Where a size does not fit on chip, an epoch runs level 6's queued kernels instead
+(correct, slower); `MLP(params).plan(batch_size)` says which path a batch size takes, and train_epoch warns,
+once per batch size, when it is not the fused one.
+"""
+
+import warnings
+
+import numpy as np
+
+from common.levels import level
+from common.native import ffi, native_level
+
+ffi.cdef("const char *mlp_fused_plan(mlp *m, int batch_size);")  # level 7's one function beyond mlp.h
+
+
+class MLP(native_level(level(7))):
+    """The level contract, its epochs in one fused kernel."""
+
+    __module__ = __name__
+
+    def __init__(self, params: dict[str, np.ndarray]):
+        super().__init__(params)
+        self._warned: set[int] = set()
+
+    def plan(self, batch_size: int) -> str:
+        """How an epoch with this batch size runs here: "fused: G blocks x U units, ..." or why not."""
+        with self._lock:
+            return ffi.string(self.lib.mlp_fused_plan(self._handle(), int(batch_size))).decode()
+
+    def train_epoch(self, X: np.ndarray, y: np.ndarray, batch_size: int, lr: float, order=None) -> np.ndarray:
+        losses = super().train_epoch(X, y, batch_size, lr, order)
+        batch = min(int(batch_size), len(X) if order is None else len(order))
+        if batch not in self._warned and not (plan := self.plan(batch)).startswith("fused"):
+            self._warned.add(batch)
+            warnings.warn(f"level 7 runs this epoch with {plan}", RuntimeWarning, stacklevel=2)
+        return losses

@@ -1,0 +1,73 @@
+"""What exists only on a GPU: level 7's two ways of running an epoch, and the PyTorch peers of the benchmark.
+
+Both are verified like every level (lockstep at every step, then the free run); they skip, with the reason,
+where there is no GPU, and `make test-gpu` (pytest --require-gpu) turns those skips into failures.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+from common.levels import level
+from common.model import init_params
+from conftest import implementation_params, require
+from test_levels import assert_free_run_agrees, free_run, in_lockstep, reference_free_run
+
+LEVEL7 = implementation_params([(level(7), "cuda")])
+
+
+@pytest.fixture(params=["eager", "graph"])
+def peer(request):
+    """A PyTorch peer's factory (level1_pytorch/peers.py)."""
+    require(level(1), "cuda", request.config)
+    from level1_pytorch import peers
+
+    return {"eager": peers.Eager, "graph": peers.Graph}[request.param]
+
+
+@pytest.mark.level1
+@pytest.mark.gpu
+def test_pytorch_peers_are_level1_step_for_step(peer, mnist):
+    """The yardsticks of the benchmark compute what level 1 computes: 200 images, batch 13 (a partial last batch)."""
+    X, y, X_test, y_test = mnist[0][:200], mnist[1][:200], mnist[2], mnist[3]
+    params = init_params(1, 64)
+    in_lockstep(peer, params, X, y, 2, 13, lr=0.05, shuffle=True)
+    expected = reference_free_run(params, X, y, X_test, y_test, 2, 13, 0.05, shuffle=True)
+    assert_free_run_agrees(free_run(peer(params), X, y, X_test, y_test, 2, 13, 0.05, shuffle=True), expected,
+                           len(y_test), 2)
+
+
+@pytest.mark.parametrize("impl", LEVEL7)
+@pytest.mark.parametrize("hidden, batch, words", [(256, 8, "fused: 32 blocks x 8 units, one barrier"),
+                                                  (1024, 256, "fused: 128 blocks x 8 units, two barriers")])
+def test_level7_fuses_the_chapter_and_the_large_setting(factory, hidden, batch, words):
+    assert factory(init_params(0, hidden)).plan(batch).startswith(words)
+
+
+@pytest.mark.parametrize("impl", LEVEL7)
+def test_level7_falls_back_with_a_warning_where_the_units_do_not_fit(factory, mnist):
+    """hidden 4,000 needs more than 16 units per block: level 6's kernels run the epoch, correctly, and say so."""
+    X, y = mnist[0][:64], mnist[1][:64]
+    params = init_params(0, 4000)
+    model = factory(params)
+    assert "not fused" in model.plan(8)
+    with pytest.warns(RuntimeWarning, match="level 6's queued kernels"):
+        model.train_epoch(X, y, 8, 0.01)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per batch size, not every epoch
+        model.train_epoch(X, y, 8, 0.01)
+    in_lockstep(factory, params, X, y, 1, 8, lr=0.01)
+
+
+@pytest.mark.parametrize("impl", LEVEL7)
+def test_level7_passes_lockstep_whatever_the_units_per_block(factory, mnist, monkeypatch):
+    """MLP_FUSED_UNITS changes which block owns which unit, and so the order of the logits' sum: another order
+    rounds differently, but every choice must pass lockstep."""
+    X, y = mnist[0][:96], mnist[1][:96]
+    for units in ("1", "4", "16"):
+        monkeypatch.setenv("MLP_FUSED_UNITS", units)
+        in_lockstep(factory, init_params(3, 64), X, y, 1, 8, lr=0.05)
+    assert np.isfinite(factory(init_params(3, 64)).train_epoch(X, y, 8, 0.05)).all()
