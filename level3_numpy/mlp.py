@@ -2,8 +2,10 @@
 
 What this level adds over level 1: no autograd and no optimizer. The forward pass, the backward
 pass (derived in level 2's chapter) and the SGD update are written out with NumPy, float32,
-vectorized over the batch: each line below is one formula of the derivation, and the names
-(h, a, logits, dlogits, da, dh, dW1, ...) are the ones levels 4-6 use in C and CUDA.
+vectorized over the batch, as the layer functions below - the very names, order and arguments
+that levels 4-6 use in C and CUDA (outputs first there; here they are returned). Each backward
+function sits next to its forward, and each can be checked against PyTorch on its own (the chapter
+does: "isolate and conquer").
 
 Run: `python -m common.compare --levels 1,3` or `pytest -m level3`.
 """
@@ -13,6 +15,58 @@ from __future__ import annotations
 import numpy as np
 
 from common.contract import DataCache, check_params, check_training, check_X, check_y, n_steps
+
+# ---- the layers: each forward followed by its backward ----
+
+
+def linear_forward(x: np.ndarray, w: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """out (B, n_out) = x (B, n_in) @ w^T + b, with w (n_out, n_in) and b (n_out,)."""
+    return x @ w.T + b
+
+
+def linear_backward(dout: np.ndarray, x: np.ndarray, w: np.ndarray | None) -> tuple:
+    """Backward of out = x @ w^T + b, given dout (B, n_out): (dx, dw, db) = (dout @ w, dout^T @ x, rows of dout summed).
+
+    dx only where w is given: the first layer needs no gradient for the pixels.
+    """
+    return (dout @ w if w is not None else None), dout.T @ x, dout.sum(axis=0)
+
+
+def relu_forward(h: np.ndarray) -> np.ndarray:
+    """a = max(h, 0)."""
+    return np.maximum(h, 0)
+
+
+def relu_backward(da: np.ndarray, h: np.ndarray) -> np.ndarray:
+    """Backward of a = max(h, 0): dh = da where h > 0, else 0. The mask comes from h, the ReLU's input."""
+    return da * (h > 0)
+
+
+def softmax_xent_forward(logits: np.ndarray, y: np.ndarray) -> tuple[np.float32, np.ndarray]:
+    """(mean cross-entropy of logits (B, 10) against labels y (B), softmax probabilities (B, 10)).
+
+    Subtracting each row's max before exp() keeps it finite for any logits; log-sum-exp gives the loss.
+    """
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    log_sum = np.log(np.exp(shifted).sum(axis=1))
+    loss = np.mean(log_sum - shifted[np.arange(len(y)), y])
+    return loss, np.exp(shifted - log_sum[:, None])
+
+
+def softmax_xent_backward(probs: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Backward of the mean cross-entropy: dlogits = (softmax - onehot(y)) / B."""
+    dlogits = probs.copy()
+    dlogits[np.arange(len(y)), y] -= 1
+    return dlogits / len(y)
+
+
+def sgd_update(params: dict[str, np.ndarray], grads: dict[str, np.ndarray], lr: np.float32) -> None:
+    """p -= lr * dp, in place, for every parameter."""
+    for name, grad in grads.items():
+        params[name] -= lr * grad
+
+
+# ---- the model: the contract every level implements ----
 
 
 class MLP:
@@ -30,8 +84,7 @@ class MLP:
         for step in range(len(losses)):
             batch = order[step * batch_size : (step + 1) * batch_size]
             losses[step], grads = self._loss_and_grads(X[batch], y[batch])
-            for name, grad in grads.items():  # sgd_update: p -= lr * dp
-                self.params[name] -= lr * grad
+            sgd_update(self.params, grads, lr)
         return losses
 
     def loss_and_grads(self, X: np.ndarray, y: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
@@ -55,32 +108,17 @@ class MLP:
     def _forward(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """x (B, 784) -> h (B, H), a (B, H), logits (B, 10); h and a are kept for the backward pass."""
         p = self.params
-        h = x @ p["fc1.weight"].T + p["fc1.bias"]  # linear_forward
-        a = np.maximum(h, 0)  # relu_forward
-        logits = a @ p["fc2.weight"].T + p["fc2.bias"]  # linear_forward
-        return h, a, logits
+        h = linear_forward(x, p["fc1.weight"], p["fc1.bias"])
+        a = relu_forward(h)
+        return h, a, linear_forward(a, p["fc2.weight"], p["fc2.bias"])
 
     def _loss_and_grads(self, x: np.ndarray, y: np.ndarray) -> tuple[np.float32, dict[str, np.ndarray]]:
-        """Forward, loss, then every gradient, each line the derivative of one forward line."""
+        """Forward, loss, then every gradient: the backward functions in the reverse order of the forward ones."""
         p = self.params
-        batch = len(x)
-        rows = np.arange(batch)
         h, a, logits = self._forward(x)
-        # softmax_xent_forward: subtracting the row max keeps exp() finite; log-sum-exp gives the loss
-        shifted = logits - logits.max(axis=1, keepdims=True)
-        log_sum = np.log(np.exp(shifted).sum(axis=1))
-        loss = np.mean(log_sum - shifted[rows, y])
-        # softmax_xent_backward: d(mean loss)/d(logits) = (softmax - onehot) / B
-        dlogits = np.exp(shifted - log_sum[:, None])
-        dlogits[rows, y] -= 1
-        dlogits /= batch
-        # linear_backward of logits = a W2^T + b2
-        dW2 = dlogits.T @ a
-        db2 = dlogits.sum(axis=0)
-        da = dlogits @ p["fc2.weight"]
-        # relu_backward of a = max(h, 0): the mask comes from h, the input of the ReLU
-        dh = da * (h > 0)
-        # linear_backward of h = x W1^T + b1 (no gradient for the pixels: nothing learns them)
-        dW1 = dh.T @ x
-        db1 = dh.sum(axis=0)
+        loss, probs = softmax_xent_forward(logits, y)
+        dlogits = softmax_xent_backward(probs, y)
+        da, dW2, db2 = linear_backward(dlogits, a, p["fc2.weight"])
+        dh = relu_backward(da, h)
+        _, dW1, db1 = linear_backward(dh, x, None)
         return loss, {"fc1.weight": dW1, "fc1.bias": db1, "fc2.weight": dW2, "fc2.bias": db2}
