@@ -29,8 +29,9 @@ def show_source(obj) -> None:
 def c_function(path: str | Path, name: str) -> tuple[int, str]:
     """(line, text) of the C/CUDA function, kernel, struct or macro `name`, from its leading comment to its end."""
     text = (ROOT / path).read_text()
-    # A definition starts in column 0 (calls are indented); a prototype meets a ';' before any '{'.
-    for match in re.finditer(rf"^(#define\s+|(?![\s#])[^\n;{{}}=()]*?\b){re.escape(name)}\b\s*[({{]", text, re.M):
+    # A definition starts in column 0 (calls are indented), perhaps after __launch_bounds__(...); a prototype meets a
+    # ';' before any '{'.
+    for match in re.finditer(rf"^(#define\s+|(?![\s#])[^\n;{{}}=]*?\b){re.escape(name)}\b\s*[({{]", text, re.M):
         end = match.start()
         if match.group(1).startswith("#define"):  # up to the first line without a continuation backslash
             while text[end : text.find("\n", end)].endswith("\\"):
