@@ -105,6 +105,9 @@ def show_results(results: dict | str | Path, plots: bool = True) -> None:
     print(f"{s['train_size']:,} images x {s['epochs']} epochs, batch {s['batch']}, hidden {s['hidden']}, lr {s['lr']}\n"
           f"machine: {gpu}{m.get('cpu', '?')}\ndata: {results['data']}\nrules (common/verify.py): {rules}\n")
     compare.print_table(results["table"])
+    print("\nepoch times, median [fastest, slowest]: " + "; ".join(
+        f"{r['level']} {r['epoch_s_median'] * 1e3:.1f} [{r['epoch_s_spread'][0] * 1e3:.1f}, {r['epoch_s_spread'][1] * 1e3:.1f}] ms"
+        for r in results["table"]))
     for name in ("loss_curves.png", "lockstep.png") if plots else ():
         if (Path(results["folder"]) / name).exists():
             display(Image(filename=str(Path(results["folder"]) / name)))

@@ -83,7 +83,7 @@ def sgd_update(params: dict[str, np.ndarray], grads: dict[str, np.ndarray], lr: 
     return {name: p - lr * grads[name] for name, p in params.items()}
 
 
-def numerical_gradient(f: Callable[[np.ndarray], float], x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+def numerical_gradient(f: Callable[[np.ndarray], float], x: np.ndarray, eps: float = 1e-5) -> np.ndarray:
     """df/dx_i ~ (f(x + eps e_i) - f(x - eps e_i)) / (2 eps) for every entry i, in float64."""
     x = np.array(x, dtype=np.float64)  # a copy: it is perturbed in place, one entry at a time
     grad = np.zeros_like(x)
