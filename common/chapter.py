@@ -18,7 +18,7 @@ from common.levels import ROOT, gpu_available
 
 # What a brace counter must step over in C: comments and string or character literals (they may hold braces).
 _C_TOKENS = re.compile(r"/\*.*?\*/|//[^\n]*|\"(?:\\.|[^\"\\\n])*\"|'(?:\\.|[^'\\\n])*'|[{};]", re.S)
-BENCH = "measured on a GPU machine with `make bench` (python -m common.bench) and committed"
+BENCH = "measured with `make bench` (python -m common.bench) and committed"
 
 
 def show_source(obj) -> None:
