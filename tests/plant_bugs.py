@@ -64,7 +64,7 @@ BUGS = [
      "beta = 1 instead of 0 on a gradient product"),
     (7, "level7_fused/mlp.cu", "        grid_barrier(a.barrier, G);\n        PHASE(3);", "        PHASE(3);",
      "the grid barrier missing: blocks read partial logits not yet written"),
-    (7, "level7_fused/mlp.cu", "const int j0 = g * a.units,", "const int j0 = g * (a.units - 1),",
+    (7, "level7_fused/mlp.cu", "const int j0 = g * units;", "const int j0 = g * (units - 1);",
      "a wrong owner of a weight slice: neighbouring blocks share a unit"),
     (7, "level7_fused/mlp.cu", "rows = min(B, a.n_order - start);", "rows = B;",
      "the partial last batch taken as a whole one"),
