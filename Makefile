@@ -12,7 +12,8 @@ CFLAGS  := -O3 -march=native -std=c11 -Wall -Wextra -Wpedantic -Werror -fPIC
 CUDA_ARCH := -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
 NVFLAGS := -O3 -std=c++17 $(CUDA_ARCH) -Xcompiler -fPIC,-Wall,-Wextra -Werror all-warnings --shared
 
-.PHONY: all compare bench test test-gpu check-memory check-memory-gpu levels level4 level5 level6 level7 notebooks clean
+.PHONY: all compare bench test test-gpu check-memory check-memory-gpu levels level4 level5 level6 level7 lab \
+	notebooks clean
 
 all: compare
 
@@ -101,6 +102,11 @@ check-memory-gpu:
 	$(MAKE) level5 level6 level7 PYTHON=python3
 	compute-sanitizer --tool memcheck --leak-check full --show-backtrace no --error-exitcode 1 \
 		python3 -m pytest -q --require-gpu -m "(level5 or level6 or level7) and not notebooks" -k "not memcheck" $(ARGS)
+
+# ---- the classroom labs (LABS.md) ----
+# The student edition in lab/: the marked solutions replaced by stubs, a LAB.md per level. Needs python3 and git only.
+lab:
+	python3 -m common.lab
 
 notebooks: $(ENV) levels
 	$(VENV)/bin/jupyter lab
