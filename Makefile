@@ -12,7 +12,8 @@ CFLAGS  := -O3 -march=native -std=c11 -Wall -Wextra -Wpedantic -Werror -fPIC
 CUDA_ARCH := -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
 NVFLAGS := -O3 -std=c++17 $(CUDA_ARCH) -Xcompiler -fPIC,-Wall,-Wextra -Werror all-warnings --shared
 
-.PHONY: all compare bench test test-gpu check-memory check-memory-gpu levels level4 level5 level6 level7 notebooks clean
+.PHONY: all compare bench test test-gpu check-memory check-memory-gpu levels level4 level5 level6 level7 lab grade \
+	notebooks clean
 
 all: compare
 
@@ -62,8 +63,27 @@ level7: level7_fused/libmlp.so
 level7_fused/libmlp.so: level7_fused/mlp.cu level6_cublas/mlp.cu common/cuda_mlp.cuh common/mlp.h common/mlp_status.h
 	$(build_with_cublas)
 
-# Every native level this machine can build: level 4 always, 5 to 7 where nvcc is.
+# The lab's grader (common/grade.py, LABS.md) reaches each task's functions alone, through these: level 4's layer
+# functions, its memory functions under ASan + UBSan, and on a GPU machine level 5's kernels and level 7's device code.
+build/lab_level4.so: tests/lab_level4.c level4_c/mlp.c common/mlp.h common/mlp_status.h
+	@mkdir -p build
+	$(CC) $(CFLAGS) -Icommon -shared -o $@ $< -lm
+build/lab_memory: tests/lab_memory.c level4_c/mlp.c common/mlp.h common/mlp_status.h
+	@mkdir -p build
+	$(CC) -g -O1 -std=c11 -Wall -Wextra -Werror -fsanitize=address,undefined -fno-sanitize-recover=all -Icommon \
+		-o $@ $< -lm
+build/lab_level5.so: tests/lab_level5.cu level5_cuda_naive/mlp.cu common/cuda_mlp.cuh common/mlp.h common/mlp_status.h
+	@[ -n "$(NVCC)" ] || { echo "$@ needs nvcc (the CUDA toolkit)"; exit 1; }
+	@mkdir -p build
+	$(NVCC) $(NVFLAGS) -Icommon -o $@ $<
+build/lab_level7.so: tests/lab_level7.cu level7_fused/mlp.cu level6_cublas/mlp.cu common/cuda_mlp.cuh common/mlp.h \
+		common/mlp_status.h
+	@mkdir -p build
+	$(build_with_cublas)
+
+# Every native level this machine can build: level 4 always, 5 to 7 where nvcc is; and the lab's libraries for them.
 levels: level4 $(if $(NVCC),level5 level6 level7)
+LAB_LIBS := build/lab_level4.so build/lab_memory $(if $(NVCC),build/lab_level5.so build/lab_level7.so)
 
 # ---- the main job and the tests ----
 # With PYTHON=python3 (the GPU machine) the targets use that interpreter as it is, without the venv.
@@ -75,13 +95,13 @@ compare: $(ENV) levels
 bench: $(ENV) levels
 	$(PYTHON) -m common.bench $(ARGS)
 
-test: $(ENV) levels
+test: $(ENV) levels $(LAB_LIBS)
 	$(PYTHON) -m pytest $(ARGS)
 
 # On the GPU machine: its own python3 (PyTorch with CUDA), no virtual environment, no network
 # (so not the tests that fetch from PyPI); GPU tests may not skip there.
 test-gpu:
-	$(MAKE) level4 level5 level6 level7 PYTHON=python3
+	$(MAKE) level4 level5 level6 level7 $(LAB_LIBS) PYTHON=python3
 	python3 -m pytest --require-gpu -m "not pypi" $(ARGS)
 
 # The level-4 library driven from C under valgrind (leaks, invalid reads and writes) and under ASan + UBSan.
@@ -98,9 +118,19 @@ check-memory: level4
 # and with them the models, which it then reports as leaked at exit. The tests' own memcheck test is left
 # out: it starts a compute-sanitizer of its own, which cannot run inside this one.
 check-memory-gpu:
-	$(MAKE) level5 level6 level7 PYTHON=python3
+	$(MAKE) level5 level6 level7 build/lab_level5.so build/lab_level7.so PYTHON=python3
 	compute-sanitizer --tool memcheck --leak-check full --show-backtrace no --error-exitcode 1 \
 		python3 -m pytest -q --require-gpu -m "(level5 or level6 or level7) and not notebooks" -k "not memcheck" $(ARGS)
+
+# ---- the classroom labs (LABS.md) ----
+# The student edition in lab/: the marked solutions replaced by stubs, a LAB.md per level. Needs python3 and git only.
+lab:
+	python3 -m common.lab
+
+# Grade every attempted task: one table, grade.json. LEVEL=4 grades one level, TASK=4.2 one task; ARGS=-v shows why
+# each check fails.
+grade: $(ENV)
+	$(PYTHON) -m common.grade $(if $(LEVEL),--level $(LEVEL)) $(if $(TASK),--task $(TASK)) $(ARGS)
 
 notebooks: $(ENV) levels
 	$(VENV)/bin/jupyter lab

@@ -124,57 +124,73 @@ static int gather(mlp *m, float *x, int *y, const float *data_x, const int *data
 
 /* out (B, n) += b (n), broadcast over the rows: the "+ b" of a linear layer. One thread per element. */
 __global__ void bias_forward_kernel(float *out, const float *b, int B, int n) {
+    /* BEGIN LAB 5.3 bias_forward */
     const size_t i = thread_index();
     if (i >= (size_t)B * n) return;
     out[i] += b[i % n];
+    /* END LAB */
 }
 
 static int bias_forward(mlp *m, float *out, const float *b, int B, int n) {
+    /* BEGIN LAB 5.3 bias_forward */
     bias_forward_kernel<<<blocks_for((size_t)B * n), THREADS, 0, m->stream>>>(out, b, B, n);
     CUDA_CHECK(cudaGetLastError());
     return MLP_OK;
+    /* END LAB */
 }
 
 /* Backward of out += b: db (n) = sum over the rows of dout (B, n). One thread per column, adding
  * the rows in order (see "Determinism" above); neighbouring threads read neighbouring floats. */
 __global__ void bias_backward_kernel(float *db, const float *dout, int B, int n) {
+    /* BEGIN LAB 5.4 bias_backward */
     const size_t o = thread_index();
     if (o >= (size_t)n) return;
     float sum = 0.0f;
     for (int r = 0; r < B; r++) sum += dout[(size_t)r * n + o];
     db[o] = sum;
+    /* END LAB */
 }
 
 static int bias_backward(mlp *m, float *db, const float *dout, int B, int n) {
+    /* BEGIN LAB 5.4 bias_backward */
     bias_backward_kernel<<<blocks_for(n), THREADS, 0, m->stream>>>(db, dout, B, n);
     CUDA_CHECK(cudaGetLastError());
     return MLP_OK;
+    /* END LAB */
 }
 
 /* a = max(h, 0), n elements. */
 __global__ void relu_forward_kernel(float *a, const float *h, size_t n) {
+    /* BEGIN LAB 5.5 relu_forward */
     const size_t i = thread_index();
     if (i >= n) return;
     a[i] = h[i] > 0.0f ? h[i] : 0.0f;
+    /* END LAB */
 }
 
 static int relu_forward(mlp *m, float *a, const float *h, size_t n) {
+    /* BEGIN LAB 5.5 relu_forward */
     relu_forward_kernel<<<blocks_for(n), THREADS, 0, m->stream>>>(a, h, n);
     CUDA_CHECK(cudaGetLastError());
     return MLP_OK;
+    /* END LAB */
 }
 
 /* Backward of a = max(h, 0): dh = da where h > 0, else 0. The mask comes from h, the ReLU's input. */
 __global__ void relu_backward_kernel(float *dh, const float *da, const float *h, size_t n) {
+    /* BEGIN LAB 5.6 relu_backward */
     const size_t i = thread_index();
     if (i >= n) return;
     dh[i] = h[i] > 0.0f ? da[i] : 0.0f;
+    /* END LAB */
 }
 
 static int relu_backward(mlp *m, float *dh, const float *da, const float *h, size_t n) {
+    /* BEGIN LAB 5.6 relu_backward */
     relu_backward_kernel<<<blocks_for(n), THREADS, 0, m->stream>>>(dh, da, h, n);
     CUDA_CHECK(cudaGetLastError());
     return MLP_OK;
+    /* END LAB */
 }
 
 /* The max and the sum of v over the 32 lanes of a warp, in every lane. The butterfly pairs lane i
@@ -194,6 +210,7 @@ __device__ float warp_sum(float v) {
  * Subtracting the row max before exp() keeps it finite for any logits; log-sum-exp gives the loss. */
 __global__ void softmax_xent_forward_kernel(float *probs, float *row_loss, const float *logits, const int *y, int B,
                                             int n_out) {
+    /* BEGIN LAB 5.7 softmax_xent_forward */
     const size_t r = thread_index() / WARP;
     const int lane = threadIdx.x % WARP;
     /* THREADS is a whole number of warps, so a warp leaves here all together or not at all, and the
@@ -212,12 +229,14 @@ __global__ void softmax_xent_forward_kernel(float *probs, float *row_loss, const
     sum = warp_sum(sum);
     for (int o = lane; o < n_out; o += WARP) p[o] /= sum;
     if (lane == 0) row_loss[r] = logf(sum) - (row[y[r]] - max);
+    /* END LAB */
 }
 
 /* loss (1) = mean of row_loss (B). One block of THREADS threads, one fixed order (see "Determinism"):
  * thread t adds rows t, t + THREADS, ... in turn, then the block halves its partial sums pairwise.
  * In double, as level 4: a float running sum over a large batch drifts, and the mean must not. */
 __global__ void mean_loss_kernel(float *loss, const float *row_loss, int B) {
+    /* BEGIN LAB 5.7 softmax_xent_forward */
     __shared__ double partial[THREADS];
     const int t = threadIdx.x;
     double sum = 0.0;
@@ -229,6 +248,7 @@ __global__ void mean_loss_kernel(float *loss, const float *row_loss, int B) {
         __syncthreads();
     }
     if (t == 0) *loss = (float)(partial[0] / B);
+    /* END LAB */
 }
 
 /* loss (1, on the device) = mean cross-entropy of logits (B, n_out) against y (B); also leaves
@@ -236,41 +256,51 @@ __global__ void mean_loss_kernel(float *loss, const float *row_loss, int B) {
  * epoch collects its steps' losses there and copies them back once. */
 static int softmax_xent_forward(mlp *m, float *loss, float *probs, float *row_loss, const float *logits, const int *y,
                                 int B, int n_out) {
+    /* BEGIN LAB 5.7 softmax_xent_forward */
     softmax_xent_forward_kernel<<<blocks_for((size_t)B * WARP), THREADS, 0, m->stream>>>(probs, row_loss, logits, y, B,
                                                                                         n_out);
     CUDA_CHECK(cudaGetLastError());
     mean_loss_kernel<<<1, THREADS, 0, m->stream>>>(loss, row_loss, B);
     CUDA_CHECK(cudaGetLastError());
     return MLP_OK;
+    /* END LAB */
 }
 
 /* Backward of the mean cross-entropy: dlogits = (softmax - onehot(y)) / B, one thread per element.
  * In place over probs is fine: each thread reads and then writes only its own element. */
 __global__ void softmax_xent_backward_kernel(float *dlogits, const float *probs, const int *y, int B, int n_out) {
+    /* BEGIN LAB 5.8 softmax_xent_backward */
     const size_t i = thread_index();
     if (i >= (size_t)B * n_out) return;
     const int r = (int)(i / n_out), o = (int)(i % n_out);
     const float onehot = (o == y[r]) ? 1.0f : 0.0f;
     dlogits[i] = (probs[i] - onehot) / (float)B;
+    /* END LAB */
 }
 
 static int softmax_xent_backward(mlp *m, float *dlogits, const float *probs, const int *y, int B, int n_out) {
+    /* BEGIN LAB 5.8 softmax_xent_backward */
     softmax_xent_backward_kernel<<<blocks_for((size_t)B * n_out), THREADS, 0, m->stream>>>(dlogits, probs, y, B, n_out);
     CUDA_CHECK(cudaGetLastError());
     return MLP_OK;
+    /* END LAB */
 }
 
 /* p -= lr * dp, n elements. */
 __global__ void sgd_update_kernel(float *p, const float *dp, float lr, size_t n) {
+    /* BEGIN LAB 5.9 sgd_update */
     const size_t i = thread_index();
     if (i >= n) return;
     p[i] -= lr * dp[i];
+    /* END LAB */
 }
 
 static int sgd_update(mlp *m, float *p, const float *dp, float lr, size_t n) {
+    /* BEGIN LAB 5.9 sgd_update */
     sgd_update_kernel<<<blocks_for(n), THREADS, 0, m->stream>>>(p, dp, lr, n);
     CUDA_CHECK(cudaGetLastError());
     return MLP_OK;
+    /* END LAB */
 }
 
 /* ---- the step ---- */

@@ -33,8 +33,24 @@ static int fail(int status, const char *file, int line, const char *fmt, ...) {
 /* return FAIL(MLP_ERR_ARG, "n must be >= 1, got %d", n); records where and why, returns the status. */
 #define FAIL(status, ...) fail(status, __FILE__, __LINE__, __VA_ARGS__)
 
+/* The labs (LABS.md): `make lab` replaces each function a student writes by a stub that fails clearly. A stub
+ * that returns a status returns FAIL(MLP_ERR_ARG, "lab 4.2: linear_backward is not written yet"); one in a void
+ * function calls LAB_TODO with that message instead, and the mlp.h function it ran under returns the error through
+ * lab_status(). A stub of a device function, which cannot report, defines LAB_TODO_DEVICE to its message, for the
+ * host code that launches it (level 7's train_steps). In the complete code nothing is pending: lab_status() is
+ * MLP_OK. */
+static MLP_THREAD_LOCAL int lab_todo;
+#define LAB_TODO(message) (lab_todo = FAIL(MLP_ERR_ARG, "%s", message))
+
+/* MLP_ERR_ARG when a stub ran since the last call (mlp_last_error() names it), else MLP_OK; then clears it. */
+static inline int lab_status(void) {
+    const int status = lab_todo;
+    lab_todo = MLP_OK;
+    return status;
+}
+
 /* A per-batch buffer of rows x width elements must stay within MLP_MAX_ELEMENTS (mlp.h). */
-static int check_elements(int rows, int width) {
+static inline int check_elements(int rows, int width) {
     if ((size_t)rows * (size_t)width > (size_t)MLP_MAX_ELEMENTS)
         return FAIL(MLP_ERR_ARG, "a batch of %d rows x %d values is %zu elements, more than the %d a buffer may hold",
                     rows, width, (size_t)rows * (size_t)width, MLP_MAX_ELEMENTS);
@@ -42,7 +58,7 @@ static int check_elements(int rows, int width) {
 }
 
 /* Labels y (n) must be classes in [0, n_out): an out-of-range label would index past a row. */
-static int check_labels(const int *y, int n, int n_out) {
+static inline int check_labels(const int *y, int n, int n_out) {
     for (int i = 0; i < n; i++)
         if (y[i] < 0 || y[i] >= n_out) return FAIL(MLP_ERR_ARG, "label y[%d] = %d is outside [0, %d)", i, y[i], n_out);
     return MLP_OK;
@@ -50,7 +66,7 @@ static int check_labels(const int *y, int n, int n_out) {
 
 /* An epoch's arguments: a data set to train on, sizes >= 1, and an order (n_order) whose every
  * entry indexes a row of the data set (n_data). */
-static int check_epoch(const int *order, int n_order, int batch_size, int n_data) {
+static inline int check_epoch(const int *order, int n_order, int batch_size, int n_data) {
     if (n_data < 1) return FAIL(MLP_ERR_ARG, "no data set: call mlp_set_data first");
     if (n_order < 1 || batch_size < 1)
         return FAIL(MLP_ERR_ARG, "n_order and batch_size must be >= 1, got %d and %d", n_order, batch_size);

@@ -22,6 +22,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
+import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 
 from common.levels import level
@@ -99,23 +101,17 @@ class ExactStep:
 
 
 def exact_step(params: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray, lr: float) -> ExactStep:
-    """level 3's formulas in float64: forward, loss, backward, p - lr * dp."""
-    x = x.astype(np.float64)
-    w1, b1, w2, b2 = (params[name].astype(np.float64) for name in PARAM_NAMES)
-    rows = np.arange(len(y))
-    h = x @ w1.T + b1
-    a = np.maximum(h, 0)
-    logits = a @ w2.T + b2
-    shifted = logits - logits.max(axis=1, keepdims=True)
-    log_sum = np.log(np.exp(shifted).sum(axis=1))
-    dlogits = np.exp(shifted - log_sum[:, None])
-    dlogits[rows, y] -= 1
-    dlogits /= len(y)
-    da = dlogits @ w2
-    dh = da * (h > 0)
-    grads = (dh.T @ x, dh.sum(axis=0), dlogits.T @ a, dlogits.sum(axis=0))
-    stepped = {name: p - lr * g for name, p, g in zip(PARAM_NAMES, (w1, b1, w2, b2), grads)}
-    return ExactStep(float(np.mean(log_sum - shifted[rows, y])), stepped, x, w1, b1, h, da)
+    """The SGD step in float64, its gradients by autograd: level 1's network, none of the levels' formulas (LABS.md)."""
+    p = {name: torch.tensor(params[name], dtype=torch.float64, requires_grad=True) for name in PARAM_NAMES}
+    x64 = torch.tensor(x, dtype=torch.float64)
+    h = x64 @ p["fc1.weight"].T + p["fc1.bias"]
+    a = torch.relu(h)
+    a.retain_grad()  # da, the size of a ReLU flip
+    loss = F.cross_entropy(a @ p["fc2.weight"].T + p["fc2.bias"], torch.as_tensor(y, dtype=torch.int64))
+    loss.backward()
+    stepped = {name: (t - lr * t.grad).detach().numpy() for name, t in p.items()}
+    w1, b1 = (p[name].detach().numpy() for name in ("fc1.weight", "fc1.bias"))
+    return ExactStep(loss.item(), stepped, x64.numpy(), w1, b1, h.detach().numpy(), a.grad.numpy())
 
 
 def explain_flips(residual_w: np.ndarray, residual_b: np.ndarray, exact: ExactStep, lr: float):

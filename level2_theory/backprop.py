@@ -21,45 +21,59 @@ import numpy as np
 
 def linear_forward(x: np.ndarray, W: np.ndarray, b: np.ndarray) -> np.ndarray:
     """out = x W^T + b, shapes (B, in) (out, in) (out,) -> (B, out)."""
+    # BEGIN LAB 2.1 linear layer
     return x @ W.T + b
+    # END LAB
 
 
 def linear_backward(dout: np.ndarray, x: np.ndarray, W: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """dx = dout W,  dW = dout^T x,  db = sum_b dout."""
+    # BEGIN LAB 2.1 linear layer
     dx = dout @ W  # (B, out) (out, in) -> (B, in)
     dW = dout.T @ x  # (out, B) (B, in) -> (out, in): the same layout as W
     db = dout.sum(axis=0)  # b was broadcast over the batch, so its gradient sums over it
     return dx, dW, db
+    # END LAB
 
 
 def relu_forward(h: np.ndarray) -> np.ndarray:
     """a = max(h, 0)."""
+    # BEGIN LAB 2.2 ReLU
     return np.maximum(h, 0)
+    # END LAB
 
 
 def relu_backward(da: np.ndarray, h: np.ndarray) -> np.ndarray:
     """dh = da * (h > 0), the mask taken from the pre-activation h."""
+    # BEGIN LAB 2.2 ReLU
     return da * (h > 0)
+    # END LAB
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
     """p = exp(z - max z) / sum exp(z - max z), row by row; subtracting the max changes nothing but overflow."""
+    # BEGIN LAB 2.3 softmax cross-entropy
     e = np.exp(logits - logits.max(axis=1, keepdims=True))
     return e / e.sum(axis=1, keepdims=True)
+    # END LAB
 
 
 def softmax_xent_forward(logits: np.ndarray, y: np.ndarray) -> float:
     """loss = mean_b( logsumexp(z_b) - z_b[y_b] ), logsumexp(z) = m + log sum exp(z - m), m = max z."""
+    # BEGIN LAB 2.3 softmax cross-entropy
     m = logits.max(axis=1, keepdims=True)
     logsumexp = m[:, 0] + np.log(np.exp(logits - m).sum(axis=1))
     return float(np.mean(logsumexp - logits[np.arange(len(y)), y]))
+    # END LAB
 
 
 def softmax_xent_backward(logits: np.ndarray, y: np.ndarray) -> np.ndarray:
     """dlogits = (softmax(z) - onehot(y)) / B; the 1/B is the derivative of the mean."""
+    # BEGIN LAB 2.3 softmax cross-entropy
     dlogits = softmax(logits)
     dlogits[np.arange(len(y)), y] -= 1
     return dlogits / len(y)
+    # END LAB
 
 
 def mlp_loss_and_grads(

@@ -21,7 +21,9 @@ from common.contract import DataCache, check_params, check_training, check_X, ch
 
 def linear_forward(x: np.ndarray, w: np.ndarray, b: np.ndarray) -> np.ndarray:
     """out (B, n_out) = x (B, n_in) @ w^T + b, with w (n_out, n_in) and b (n_out,)."""
+    # BEGIN LAB 3.1 linear_forward
     return x @ w.T + b
+    # END LAB
 
 
 def linear_backward(dout: np.ndarray, x: np.ndarray, w: np.ndarray | None) -> tuple:
@@ -29,17 +31,23 @@ def linear_backward(dout: np.ndarray, x: np.ndarray, w: np.ndarray | None) -> tu
 
     dx only where w is given: the first layer needs no gradient for the pixels.
     """
+    # BEGIN LAB 3.2 linear_backward
     return (dout @ w if w is not None else None), dout.T @ x, dout.sum(axis=0)
+    # END LAB
 
 
 def relu_forward(h: np.ndarray) -> np.ndarray:
     """a = max(h, 0)."""
+    # BEGIN LAB 3.3 relu_forward
     return np.maximum(h, 0)
+    # END LAB
 
 
 def relu_backward(da: np.ndarray, h: np.ndarray) -> np.ndarray:
     """Backward of a = max(h, 0): dh = da where h > 0, else 0. The mask comes from h, the ReLU's input."""
+    # BEGIN LAB 3.4 relu_backward
     return da * (h > 0)
+    # END LAB
 
 
 def softmax_xent_forward(logits: np.ndarray, y: np.ndarray) -> tuple[np.float32, np.ndarray]:
@@ -47,23 +55,29 @@ def softmax_xent_forward(logits: np.ndarray, y: np.ndarray) -> tuple[np.float32,
 
     Subtracting each row's max before exp() keeps it finite for any logits; log-sum-exp gives the loss.
     """
+    # BEGIN LAB 3.5 softmax_xent_forward
     shifted = logits - logits.max(axis=1, keepdims=True)
     log_sum = np.log(np.exp(shifted).sum(axis=1))
     loss = np.mean(log_sum - shifted[np.arange(len(y)), y])
     return loss, np.exp(shifted - log_sum[:, None])
+    # END LAB
 
 
 def softmax_xent_backward(probs: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Backward of the mean cross-entropy: dlogits = (softmax - onehot(y)) / B."""
+    # BEGIN LAB 3.6 softmax_xent_backward
     dlogits = probs.copy()
     dlogits[np.arange(len(y)), y] -= 1
     return dlogits / len(y)
+    # END LAB
 
 
 def sgd_update(params: dict[str, np.ndarray], grads: dict[str, np.ndarray], lr: np.float32) -> None:
     """p -= lr * dp, in place, for every parameter."""
+    # BEGIN LAB 3.7 sgd_update
     for name, grad in grads.items():
         params[name] -= lr * grad
+    # END LAB
 
 
 # ---- the model: the contract every level implements ----

@@ -39,7 +39,7 @@ struct mlp {
 /* Sixteen partial sums are sixteen independent SIMD lanes (one AVX-512 register, or two AVX2 ones):
  * without them each addition would wait for the one before it, and the compiler may not reorder a
  * float sum on its own. */
-static float dot(const float *u, const float *v, int n) {
+static inline float dot(const float *u, const float *v, int n) {
     float lanes[16] = {0};
     int k = 0;
     for (; k + 16 <= n; k += 16)
@@ -54,9 +54,11 @@ static float dot(const float *u, const float *v, int n) {
  * Weight row o outside, batch row r inside: the row is read from memory once and reused B times.
  * Every offset into an array is computed in size_t: B * n_out may exceed an int (mlp.h, MLP_MAX_ELEMENTS). */
 static void linear_forward(float *out, const float *x, const float *w, const float *b, int B, int n_in, int n_out) {
+    /* BEGIN LAB 4.1 linear_forward */
     for (int o = 0; o < n_out; o++)
         for (int r = 0; r < B; r++)
             out[(size_t)r * n_out + o] = b[o] + dot(x + (size_t)r * n_in, w + (size_t)o * n_in, n_in);
+    /* END LAB */
 }
 
 /* Backward of out = x @ w^T + b, given dout (B, n_out):
@@ -65,6 +67,7 @@ static void linear_forward(float *out, const float *x, const float *w, const flo
  * dx may be NULL: the first layer needs no gradient for the pixels. */
 static void linear_backward(float *dx, float *dw, float *db, const float *dout, const float *x, const float *w, int B,
                             int n_in, int n_out) {
+    /* BEGIN LAB 4.2 linear_backward */
     for (int o = 0; o < n_out; o++) {
         float *dw_row = dw + (size_t)o * n_in;
         memset(dw_row, 0, sizeof(float) * (size_t)n_in);
@@ -84,16 +87,21 @@ static void linear_backward(float *dx, float *dw, float *db, const float *dout, 
             const float *w_row = w + (size_t)o * n_in;
             for (int k = 0; k < n_in; k++) dx[(size_t)r * n_in + k] += g * w_row[k];
         }
+    /* END LAB */
 }
 
 /* a = max(h, 0), n elements. */
 static void relu_forward(float *a, const float *h, size_t n) {
+    /* BEGIN LAB 4.3 relu_forward */
     for (size_t i = 0; i < n; i++) a[i] = h[i] > 0.0f ? h[i] : 0.0f;
+    /* END LAB */
 }
 
 /* Backward of a = max(h, 0): dh = da where h > 0, else 0. The mask comes from h, the ReLU's input. */
 static void relu_backward(float *dh, const float *da, const float *h, size_t n) {
+    /* BEGIN LAB 4.4 relu_backward */
     for (size_t i = 0; i < n; i++) dh[i] = h[i] > 0.0f ? da[i] : 0.0f;
+    /* END LAB */
 }
 
 /* Mean cross-entropy of logits (B, n_out) against labels y (B); also leaves softmax(logits) in probs.
@@ -101,6 +109,7 @@ static void relu_backward(float *dh, const float *da, const float *h, size_t n) 
  * The rows' losses are summed in double: a float running sum over a large batch drifts (2.8 million
  * equal rows gave 2.3443 for 2.3026), and the mean must not depend on the batch size. */
 static float softmax_xent_forward(float *probs, const float *logits, const int *y, int B, int n_out) {
+    /* BEGIN LAB 4.5 softmax_xent_forward */
     double total = 0.0;
     for (int r = 0; r < B; r++) {
         const float *row = logits + (size_t)r * n_out;
@@ -116,21 +125,26 @@ static float softmax_xent_forward(float *probs, const float *logits, const int *
         total += logf(sum) - (row[y[r]] - max);
     }
     return (float)(total / B);
+    /* END LAB */
 }
 
 /* Backward of the mean cross-entropy: dlogits = (softmax - onehot(y)) / B. In place over probs is fine. */
 static void softmax_xent_backward(float *dlogits, const float *probs, const int *y, int B, int n_out) {
+    /* BEGIN LAB 4.6 softmax_xent_backward */
     for (int r = 0; r < B; r++)
         for (int o = 0; o < n_out; o++) {
             const size_t i = (size_t)r * n_out + o;
             const float onehot = (o == y[r]) ? 1.0f : 0.0f;
             dlogits[i] = (probs[i] - onehot) / (float)B;
         }
+    /* END LAB */
 }
 
 /* p -= lr * dp, n elements. */
 static void sgd_update(float *p, const float *dp, float lr, size_t n) {
+    /* BEGIN LAB 4.7 sgd_update */
     for (size_t i = 0; i < n; i++) p[i] -= lr * dp[i];
+    /* END LAB */
 }
 
 /* ---- the step ---- */
@@ -151,14 +165,20 @@ static float forward_backward(mlp *m, const float *x, const int *y, int B) {
 
 /* ---- memory: the model owns every buffer; they grow only when a larger batch arrives ---- */
 
+/* Free the per-batch buffers: every pointer NULL again, capacity 0. */
 static void free_batch_buffers(mlp *m) {
+    /* BEGIN LAB 4.8 batch buffers */
     free(m->x), free(m->y), free(m->h), free(m->a), free(m->dh), free(m->da), free(m->logits), free(m->dlogits);
     m->x = m->h = m->a = m->dh = m->da = m->logits = m->dlogits = NULL;
     m->y = NULL;
     m->capacity = 0;
+    /* END LAB */
 }
 
+/* Make the per-batch buffers (struct mlp) hold `rows` rows. They only grow; a batch past MLP_MAX_ELEMENTS is
+ * refused (check_elements) before anything is freed; out of memory leaves none allocated. */
 static int ensure_capacity(mlp *m, int rows) {
+    /* BEGIN LAB 4.8 batch buffers */
     if (rows <= m->capacity) return MLP_OK;
     int status = check_elements(rows, m->n_in > m->hidden ? m->n_in : m->hidden);
     if (status) return status;
@@ -178,6 +198,7 @@ static int ensure_capacity(mlp *m, int rows) {
     }
     m->capacity = rows;
     return MLP_OK;
+    /* END LAB */
 }
 
 /* ---- the interface of mlp.h ---- */
@@ -187,6 +208,7 @@ int mlp_create(mlp **out, int n_in, int hidden, int n_out) {
     *out = NULL;
     if (n_in < 1 || hidden < 1 || n_out < 1)
         return FAIL(MLP_ERR_ARG, "sizes must be >= 1, got n_in=%d hidden=%d n_out=%d", n_in, hidden, n_out);
+    /* BEGIN LAB 4.9 the model */
     mlp *m = calloc(1, sizeof *m);
     if (!m) return FAIL(MLP_ERR_ALLOC, "out of memory for the model");
     m->n_in = n_in, m->hidden = hidden, m->n_out = n_out;
@@ -201,12 +223,15 @@ int mlp_create(mlp **out, int n_in, int hidden, int n_out) {
     }
     *out = m;
     return MLP_OK;
+    /* END LAB */
 }
 
 int mlp_destroy(mlp *m) {
     if (!m) return MLP_OK;
+    /* BEGIN LAB 4.9 the model */
     free(m->w1), free(m->b1), free(m->w2), free(m->b2);
     free(m->dw1), free(m->db1), free(m->dw2), free(m->db2);
+    /* END LAB */
     free_batch_buffers(m);
     free(m->data_x), free(m->data_y);
     free(m);
@@ -242,7 +267,7 @@ int mlp_forward(mlp *m, float *logits, const float *x, int n) {
         relu_forward(m->a, m->h, (size_t)B * m->hidden);
         linear_forward(logits + (size_t)start * m->n_out, m->a, m->w2, m->b2, B, m->hidden, m->n_out);
     }
-    return MLP_OK;
+    return lab_status();
 }
 
 int mlp_loss_and_grads(mlp *m, float *loss, float *dw1, float *db1, float *dw2, float *db2, const float *x,
@@ -253,6 +278,8 @@ int mlp_loss_and_grads(mlp *m, float *loss, float *dw1, float *db1, float *dw2, 
     if (!status) status = ensure_capacity(m, n);
     if (status) return status;
     *loss = forward_backward(m, x, y, n);
+    status = lab_status();
+    if (status) return status;
     memcpy(dw1, m->dw1, sizeof(float) * (size_t)m->hidden * m->n_in);
     memcpy(db1, m->db1, sizeof(float) * (size_t)m->hidden);
     memcpy(dw2, m->dw2, sizeof(float) * (size_t)m->n_out * m->hidden);
@@ -299,5 +326,5 @@ int mlp_train_epoch(mlp *m, float *losses, const int *order, int n_order, int ba
         sgd_update(m->w2, m->dw2, lr, (size_t)m->n_out * m->hidden);
         sgd_update(m->b2, m->db2, lr, (size_t)m->n_out);
     }
-    return MLP_OK;
+    return lab_status();
 }

@@ -28,6 +28,10 @@
 
 static cublasHandle_t cublas(mlp *m) { return static_cast<cublasHandle_t>(m->level_state); }
 
+/* alpha and beta of the products below: cuBLAS reads them from host memory (its default pointer mode).
+ * (Unused in `make lab`'s student edition until its products are written.) */
+[[maybe_unused]] static const float one = 1.0f, zero = 0.0f;
+
 /* Row-major arrays, column-major cuBLAS.
  *
  * cublasSgemm(handle, opA, opB, m, n, k, &alpha, A, lda, B, ldb, &beta, C, ldc) computes, all
@@ -55,22 +59,26 @@ static cublasHandle_t cublas(mlp *m) { return static_cast<cublasHandle_t>(m->lev
 
 /* out (B, n_out) = x (B, n_in) @ w^T, w (n_out, n_in): first row of the table. beta = 0 overwrites out. */
 static int linear_forward(mlp *m, float *out, const float *x, const float *w, int B, int n_in, int n_out) {
-    const float one = 1.0f, zero = 0.0f;
+    /* BEGIN LAB 6.1 out = x @ w^T */
     CUBLAS_CHECK(cublasSgemm(cublas(m), CUBLAS_OP_T, CUBLAS_OP_N, n_out, B, n_in, &one, w, n_in, x, n_in, &zero, out,
                              n_out));
     return MLP_OK;
+    /* END LAB */
 }
 
 /* Backward of out = x @ w^T, given dout (B, n_out): second and third rows of the table.
  *   dw (n_out, n_in) = dout^T @ x,  dx (B, n_in) = dout @ w  (dx NULL: skipped). */
 static int linear_backward(mlp *m, float *dx, float *dw, const float *dout, const float *x, const float *w, int B,
                            int n_in, int n_out) {
-    const float one = 1.0f, zero = 0.0f;
+    /* BEGIN LAB 6.2 dw = dout^T @ x */
     CUBLAS_CHECK(cublasSgemm(cublas(m), CUBLAS_OP_N, CUBLAS_OP_T, n_in, n_out, B, &one, x, n_in, dout, n_out, &zero, dw,
                              n_in));
+    /* END LAB */
     if (!dx) return MLP_OK;
+    /* BEGIN LAB 6.3 dx = dout @ w */
     CUBLAS_CHECK(cublasSgemm(cublas(m), CUBLAS_OP_N, CUBLAS_OP_N, n_in, B, n_out, &one, w, n_in, dout, n_out, &zero, dx,
                              n_in));
+    /* END LAB */
     return MLP_OK;
 }
 

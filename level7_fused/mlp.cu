@@ -61,6 +61,7 @@ struct FusedArgs {
  * still bypass the L1 cache (__ldcg), which could hold an old copy of the exchange buffer. The co-residency
  * of all blocks, which a spinning barrier needs, is guaranteed by the cooperative launch. */
 __device__ void grid_barrier(unsigned *barrier, unsigned blocks) {
+    /* BEGIN LAB 7.1 grid_barrier */
     __syncthreads(); /* the whole block is done with this phase */
     if (threadIdx.x == 0) {
         cuda::atomic_ref<unsigned, cuda::thread_scope_device> arrived(barrier[0]), generation(barrier[1]);
@@ -74,6 +75,17 @@ __device__ void grid_barrier(unsigned *barrier, unsigned blocks) {
         }
     }
     __syncthreads();
+    /* END LAB */
+}
+
+/* ---- ownership ----
+ * Block g owns `units` consecutive hidden units, j0 .. j0 + owned - 1 (the last block may own fewer): their weights
+ * live in its shared memory alone, so every unit must have exactly one owner. Returns (j0, owned). */
+__device__ int2 owned_units(int g, int units, int hidden) {
+    /* BEGIN LAB 7.2 owned_units */
+    const int j0 = g * units;
+    return make_int2(j0, min(units, hidden - j0));
+    /* END LAB */
 }
 
 /* Start copying rows [row0, row0 + rows) of the batch that begins at order[start] into xs (rows, x_stride):
@@ -109,7 +121,8 @@ __global__ void __launch_bounds__(FUSED_THREADS, 1) fused_epoch_kernel(const Fus
     extern __shared__ float4 smem4[];
     float *smem = reinterpret_cast<float *>(smem4);
     const int t = threadIdx.x, G = gridDim.x, g = blockIdx.x, lane = t % WARP, warp = t / WARP;
-    const int j0 = g * a.units, owned = min(a.units, a.hidden - j0); /* this block's hidden units */
+    const int2 own = owned_units(g, a.units, a.hidden);
+    const int j0 = own.x, owned = own.y; /* this block's hidden units */
     const int nf = a.n_in / 4, B = a.batch, O = a.n_out, TR = a.tile_rows;
     /* Shared memory (smem_floats on the host adds it up), the float4-read regions first. */
     float *w1s = smem;                              /* (UP, n_in) this block's rows of fc1.weight */
@@ -459,6 +472,9 @@ static int make_plan(mlp *m, int batch, FusedPlan *plan) {
 
 /* The hook of common/cuda_mlp.cuh: the steps of this call, fused when they fit. */
 static int train_steps(mlp *m, int n_order, int batch_size, float lr) {
+#ifdef LAB_TODO_DEVICE /* the student edition: a device function above is still its stub (mlp_status.h) */
+    return FAIL(MLP_ERR_ARG, "%s", LAB_TODO_DEVICE);
+#endif
     FusedPlan plan;
     int status = make_plan(m, batch_size, &plan);
     if (status) return status;

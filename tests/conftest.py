@@ -7,6 +7,7 @@ from functools import partial
 import numpy as np
 import pytest
 
+from common import lab
 from common.compare import epoch_order, runs_for
 from common.levels import LEVELS, Level, missing
 
@@ -27,13 +28,21 @@ def pytest_addoption(parser):
     )
 
 
-def implementation_params(pairs=IMPLEMENTATIONS):
-    """pytest.param per (level, device), marked levelN, plus gpu where it runs on one."""
+def implementation_params(pairs=IMPLEMENTATIONS, graded: bool = False):
+    """pytest.param per (level, device), marked levelN, plus gpu where it runs on one; graded: also task("<id>") of
+    the level's row in the lab's grade (common/lab.py), which these tests then check."""
     params = []
     for lv, device in pairs:
         marks = [getattr(pytest.mark, lv.name)] + ([pytest.mark.gpu] if device == "cuda" else [])
+        if graded and (row := lab.level_row(lv.number)):
+            marks.append(pytest.mark.task(row.id))
         params.append(pytest.param((lv, device), marks=marks, id=f"{lv.name}-{device}"))
     return params
+
+
+def graded(level: int, name: str):
+    """The mark of a check of the lab's grade: task("<id>") of the task of this level and name (common/lab.py)."""
+    return pytest.mark.task(next(t.id for t in lab.TASKS if t.level == level and t.name == name))
 
 
 def require(lv: Level, device: str, config) -> None:

@@ -1,11 +1,12 @@
 """Plant the chapter's classic bugs, one at a time, and show which tests catch each.
 
-    python tests/plant_bugs.py                     # the CPU levels: 1, 3 and 4
+    python tests/plant_bugs.py                     # the CPU levels: 1 to 4
     python tests/plant_bugs.py --levels 5,6,7 -- --require-gpu   # on the GPU machine; after -- : pytest options
 
 Each bug is a one-line edit applied to a scratch copy of the repository (the working tree is never
 touched), which is then built and tested with `pytest -m levelN`. A bug that no test catches is a
-hole in the test suite: the script exits non-zero. Students can add their own bugs to BUGS.
+hole in the test suite: the script exits non-zero. Students can add their own bugs to BUGS. The lab's tests
+(tests/test_labs.py) plant them too, each in the grade table, where it must fail exactly its own task.
 """
 
 from __future__ import annotations
@@ -18,11 +19,18 @@ import sys
 import tempfile
 from pathlib import Path
 
+from common.grade import BUILDS
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # (level, file, the correct code, the buggy code, what the bug is); a bug of several edits gives tuples.
 BUGS = [
     (1, "level1_pytorch/mlp.py", "            self.optimizer.zero_grad()\n", "", "gradients never zeroed between steps"),
+    (2, "level2_theory/backprop.py", "return dlogits / len(y)", "return dlogits",
+     "gradients not divided by the batch size"),
+    (2, "level2_theory/backprop.py", "return da * (h > 0)", "return da * (da > 0)",
+     "ReLU mask taken from the wrong tensor"),
+    (2, "level2_theory/backprop.py", "dW = dout.T @ x ", "dW = x.T @ dout ", "transposed weight gradient"),
     (3, "level3_numpy/mlp.py", "return dlogits / len(y)", "return dlogits", "gradients not divided by the batch size"),
     (3, "level3_numpy/mlp.py", "return da * (h > 0)", "return da * (h >= 0)", "ReLU gradient wrong at exactly 0"),
     (3, "level3_numpy/mlp.py", "return da * (h > 0)", "return da * (da > 0)", "ReLU mask taken from the wrong tensor"),
@@ -49,6 +57,9 @@ BUGS = [
     (4, "level4_c/mlp.c", "p[i] -= lr * dp[i];", "p[i] -= 1.002f * lr * dp[i];", "learning rate 0.2% too large"),
     (4, "level4_c/mlp.c", "linear_forward(m->h, x + (size_t)start * m->n_in,", "linear_forward(m->h, x,",
      "forward() repeats its first chunk of rows"),
+    (4, "level4_c/mlp.c", "m->h = malloc(sizeof(float) * R * m->hidden);", "m->h = malloc(sizeof(float) * R * m->n_out);",
+     "a batch buffer allocated too small"),
+    (4, "level4_c/mlp.c", "    free(m->dw1), free(m->db1), free(m->dw2), free(m->db2);\n", "", "gradients never freed"),
     (5, "common/cuda_mlp.cuh", "dlogits[i] = (probs[i] - onehot) / (float)B;", "dlogits[i] = (probs[i] - onehot);",
      "gradients not divided by the batch size"),
     (5, "level5_cuda_naive/mlp.cu", "if (r >= B || o >= n_out) return;", "if (o >= n_out) return;",
@@ -64,7 +75,7 @@ BUGS = [
      "beta = 1 instead of 0 on a gradient product"),
     (7, "level7_fused/mlp.cu", "        grid_barrier(a.barrier, G);\n        PHASE(3);", "        PHASE(3);",
      "the grid barrier missing: blocks read partial logits not yet written"),
-    (7, "level7_fused/mlp.cu", "const int j0 = g * a.units,", "const int j0 = g * (a.units - 1),",
+    (7, "level7_fused/mlp.cu", "const int j0 = g * units;", "const int j0 = g * (units - 1);",
      "a wrong owner of a weight slice: neighbouring blocks share a unit"),
     (7, "level7_fused/mlp.cu", "rows = min(B, a.n_order - start);", "rows = B;",
      "the partial last batch taken as a whole one"),
@@ -72,26 +83,38 @@ BUGS = [
 
 
 def scratch_copy() -> Path:
-    """The repository without its environment, history and data (data is linked, not copied)."""
+    """The repository without its environment, history, data and outputs (data is linked, not copied)."""
     target = Path(tempfile.mkdtemp(prefix="plant-")) / "repo"
-    shutil.copytree(ROOT, target, ignore=shutil.ignore_patterns(".venv", ".git", "data", "results", "*.so", "build"))
+    shutil.copytree(ROOT, target, ignore=shutil.ignore_patterns(".venv", ".git", "data", "results", "*.so", "build", "lab",
+                                                                "grade.json"))
     if (ROOT / "data").exists():
         (target / "data").symlink_to(ROOT / "data")
     return target
+
+
+def edits(good, bad) -> list[tuple[str, str]]:
+    """A bug's (correct code, buggy code) pairs: one, or several for a bug of several edits."""
+    return list(zip(good, bad)) if isinstance(good, tuple) else [(good, bad)]
+
+
+def apply(repo: Path, file: str, good, bad, what: str) -> None:
+    """Plant one bug in the copy `repo`: each correct piece of code must be there exactly once."""
+    path = repo / file
+    text = path.read_text()
+    for old, new in edits(good, bad):
+        if text.count(old) != 1:
+            raise SystemExit(f"{file}: expected exactly one {old!r} to plant '{what}' (the code changed?)")
+        text = text.replace(old, new)
+    path.write_text(text)
 
 
 def plant(level: int, file: str, good, bad, what: str, pytest_args: list[str]) -> list[str]:
     """Apply one bug to a scratch copy, build, test; returns the ids of the tests that failed."""
     repo = scratch_copy()
     try:
-        path = repo / file
-        text = path.read_text()
-        for old, new in zip(*((good, bad) if isinstance(good, tuple) else ((good,), (bad,)))):
-            if text.count(old) != 1:
-                raise SystemExit(f"{file}: expected exactly one {old!r} to plant '{what}' (the code changed?)")
-            text = text.replace(old, new)
-        path.write_text(text)
-        build = subprocess.run(["make", "-s", f"level{level}", f"PYTHON={sys.executable}"] if level > 3 else ["true"],
+        apply(repo, file, good, bad, what)
+        targets = BUILDS.get(level, ())  # the level and the lab's libraries for it, as `make grade` builds them
+        build = subprocess.run(["make", "-s", *targets, f"PYTHON={sys.executable}"] if targets else ["true"],
                                cwd=repo, capture_output=True, text=True)
         if build.returncode:
             raise SystemExit(f"planting '{what}' broke the build, so no test can judge it:\n{build.stderr}")
@@ -106,7 +129,7 @@ def plant(level: int, file: str, good, bad, what: str, pytest_args: list[str]) -
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--levels", default="1,3,4", help="comma-separated levels whose bugs to plant")
+    p.add_argument("--levels", default="1,2,3,4", help="comma-separated levels whose bugs to plant")
     p.add_argument("pytest_args", nargs="*", help="passed on to pytest (after --)")
     args = p.parse_args()
     levels = {int(n) for n in args.levels.split(",")}

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from common.model import N_IN, N_OUT, PARAM_NAMES, init_params
+from conftest import graded
 from level2_theory import backprop as bp
 
 pytestmark = pytest.mark.level2
@@ -58,6 +59,7 @@ def torch_leaf(a: np.ndarray) -> torch.Tensor:
 # its gradient with respect to an input is exactly what the backward function returns for that dout.
 
 
+@graded(2, "linear layer")
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("n_in,n_out", LINEAR_SHAPES)
 def test_linear_backward_vs_finite_differences(batch, n_in, n_out):
@@ -71,6 +73,7 @@ def test_linear_backward_vs_finite_differences(batch, n_in, n_out):
     assert bp.rel_error(db, bp.numerical_gradient(lambda v: np.sum(bp.linear_forward(x, W, v) * dout), b)) < FD_TOL
 
 
+@graded(2, "ReLU")
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("hidden", (1, 37))
 def test_relu_backward_vs_finite_differences(batch, hidden):
@@ -80,6 +83,7 @@ def test_relu_backward_vs_finite_differences(batch, hidden):
     assert bp.rel_error(bp.relu_backward(da, h), numeric) < FD_TOL
 
 
+@graded(2, "softmax cross-entropy")
 @pytest.mark.parametrize("batch", BATCHES)
 def test_softmax_jacobian_vs_finite_differences(batch):
     rng = rng_for(batch)
@@ -90,6 +94,7 @@ def test_softmax_jacobian_vs_finite_differences(batch):
     assert bp.rel_error(dlogits, bp.numerical_gradient(lambda v: np.sum(bp.softmax(v) * dp), logits)) < FD_TOL
 
 
+@graded(2, "softmax cross-entropy")
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("scale", (1.0, 10.0))
 def test_softmax_xent_backward_vs_finite_differences(batch, scale):
@@ -99,6 +104,7 @@ def test_softmax_xent_backward_vs_finite_differences(batch, scale):
     assert bp.rel_error(bp.softmax_xent_backward(logits, y), numeric) < FD_TOL
 
 
+@graded(2, "mlp_loss_and_grads")
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("hidden", (1, 37))
 def test_mlp_grads_vs_finite_differences(batch, hidden):
@@ -116,6 +122,7 @@ def test_mlp_grads_vs_finite_differences(batch, hidden):
 # ---- each formula against torch.autograd ------------------------------------------------------
 
 
+@graded(2, "linear layer")
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("n_in,n_out", LINEAR_SHAPES)
 def test_linear_vs_autograd(batch, n_in, n_out):
@@ -130,6 +137,7 @@ def test_linear_vs_autograd(batch, n_in, n_out):
         assert bp.rel_error(mine, ref.grad.numpy()) < TORCH_TOL
 
 
+@graded(2, "ReLU")
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("hidden", (1, 37))
 def test_relu_vs_autograd(batch, hidden):
@@ -143,6 +151,7 @@ def test_relu_vs_autograd(batch, hidden):
     assert np.array_equal(bp.relu_backward(da, h), th.grad.numpy())
 
 
+@graded(2, "softmax cross-entropy")
 @pytest.mark.parametrize("batch", BATCHES)
 def test_softmax_xent_vs_autograd(batch):
     rng = rng_for(batch)
@@ -179,6 +188,7 @@ class TorchMLP(torch.nn.Module):
         return self.fc2(torch.relu(self.fc1(x)))
 
 
+@graded(2, "mlp_loss_and_grads")
 def test_mlp_loss_and_grads_vs_autograd():
     batch, hidden = 13, 37
     rng = rng_for(batch, hidden)

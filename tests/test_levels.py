@@ -16,9 +16,11 @@ from common.model import PARAM_NAMES, init_params
 from conftest import ALL, OWN_KERNELS, implementation_params, reference, train, twin
 
 # Against level 1's own runs: every implementation but level 1 on the CPU itself.
-against_level1 = pytest.mark.parametrize("impl", implementation_params())
+chapter_against_level1 = pytest.mark.parametrize("impl", implementation_params())
+# The same, and each a check of the level's row in the lab's grade (common/lab.py): all but the chapter's long runs.
+against_level1 = pytest.mark.parametrize("impl", implementation_params(graded=True))
 # Against torch autograd written from scratch, or against itself: every implementation, level 1 included.
-every_level = pytest.mark.parametrize("impl", implementation_params(ALL))
+every_level = pytest.mark.parametrize("impl", implementation_params(ALL, graded=True))
 
 # The chapter's run: the first 10,000 training images (all of them offline), batch 8, lr 0.01, 10 epochs.
 CHAPTER = {"epochs": 10, "batch": 8, "lr": 0.01}
@@ -68,7 +70,7 @@ def chapter_reference(mnist):
     return reference_free_run(init_params(0), X, y, X_test, y_test, **CHAPTER)
 
 
-@against_level1
+@chapter_against_level1
 def test_chapter_run_in_lockstep_with_level1(factory, mnist):
     """Every one of the chapter's 12,500 steps, from level 1's parameters: its loss and each tensor's update."""
     X, y = mnist[0][:CHAPTER_IMAGES], mnist[1][:CHAPTER_IMAGES]
@@ -76,7 +78,7 @@ def test_chapter_run_in_lockstep_with_level1(factory, mnist):
     assert len(record.ties) <= 10, f"{len(record.ties)} ReLU ties: ties are rare (3 in 12,500 steps measured)"
 
 
-@against_level1
+@chapter_against_level1
 def test_chapter_free_run_agrees_within_float32_noise(factory, mnist, chapter_reference):
     X, y, X_test, y_test = mnist[0][:CHAPTER_IMAGES], mnist[1][:CHAPTER_IMAGES], mnist[2], mnist[3]
     run = free_run(factory(init_params(0)), X, y, X_test, y_test, **CHAPTER)

@@ -1,0 +1,458 @@
+"""The lab's tasks, one check each: `make grade` (common/grade.py) runs those of the attempted tasks; `pytest -m task`
+runs every one (the tasks are listed in common/lab.py).
+
+Each test is marked task("<id>") through its parameter and checks that task's function alone, against float64
+computed here, at odd sizes and on MNIST rows, with inputs chosen to expose the classic bugs of tests/plant_bugs.py:
+a batch of 13 (a missing 1/B), pre-activations exactly 0 (the ReLU's mask), weights that are not square (a transposed
+index), logits 2,000 apart (a softmax without its max). Level 3 is called directly; levels 4, 5 and 7 through small
+libraries that export their static functions one by one (tests/lab_level4.c, lab_memory.c, lab_level5.cu,
+lab_level7.cu), level 6's calls through cuBLAS's layout rules in NumPy. Level 2's tasks and the levels' rows are
+checked by tests marked the same way in test_level2.py and test_levels.py.
+
+The tolerance of a sum: float32 adds n terms, in any order and with or without fused multiply-adds, to within
+gamma_n * sum |terms| of the exact sum (common/verify.py). The bound is rigorous, so a correct function cannot
+exceed it, and each classic bug exceeds it by orders of magnitude.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from common import lab
+from common.levels import ROOT, level
+from common.model import N_IN, N_OUT, param_shapes
+from common.native import NativeError
+from common.sgemm import sgemm
+from common.verify import LOSS_ATOL, LOSS_RTOL, U, gamma
+from conftest import require
+
+LIBRARIES = {4: "lab_level4.c", 5: "lab_level5.cu", 7: "lab_level7.cu"}  # in tests/, built into build/*.so
+C_TYPES = {np.float32: "float[]", np.int32: "int[]"}
+# Odd sizes (B, n_in, n_out): one of everything, all different, square (where only values show a transpose), and
+# the first layer on MNIST rows.
+SIZES = [(1, 1, 1), (13, 37, 5), (3, 5, 5), (8, N_IN, 37)]
+SIZE_IDS = ["1x1x1", "13x37x5", "square", "mnist"]
+
+
+def task_params(name: str) -> list:
+    """pytest.param per task of this name at levels 3-7, marked task("<id>"), levelN, and gpu where it needs one."""
+    params = []
+    for t in lab.tasks_named(name):
+        if t.level >= 3:
+            marks = [pytest.mark.task(t.id), getattr(pytest.mark, f"level{t.level}")]
+            if t.gpu:
+                marks.append(pytest.mark.gpu)
+            params.append(pytest.param(t, marks=marks, id=t.id))
+    return params
+
+
+def library(number: int, config):
+    """The lab library of level 4, 5 or 7 (tests/lab_level*.c[u], built into build/): (ffi, lib)."""
+    from cffi import FFI
+
+    if number > 4:
+        require(level(number), "cuda", config)
+    path = ROOT / "build" / f"lab_level{number}.so"
+    if not path.exists():
+        pytest.skip(f"{path.relative_to(ROOT)} is not built: run `make {path.relative_to(ROOT)}` (make grade does)")
+    ffi = FFI()
+    source = (ROOT / "tests" / LIBRARIES[number]).read_text()
+    ffi.cdef(re.search(r"/\* cdef-begin \*/(.*)/\* cdef-end \*/", source, re.S).group(1)
+             + "const char *mlp_last_error(void);")
+    return ffi, ffi.dlopen(str(path))
+
+
+class NativeLayers:
+    """A native level's layer functions, one call each through its lab library, with level 3's signatures."""
+
+    def __init__(self, ffi, lib):
+        self.ffi, self.lib = ffi, lib
+
+    def _call(self, function: str, *args) -> None:
+        """Call lab_<function> with arrays passed as pointers; raise NativeError with the library's message."""
+        pointers = [self.ffi.from_buffer(C_TYPES[a.dtype.type], a) if isinstance(a, np.ndarray) else a for a in args]
+        if getattr(self.lib, f"lab_{function}")(*pointers):
+            raise NativeError(self.ffi.string(self.lib.mlp_last_error()).decode())
+
+    def linear_backward_into(self, dout, x, w, dx, dw, *extra):
+        """The wrapper's arguments: outputs first, then inputs and sizes (the level's own order)."""
+        B, n_out = dout.shape
+        self._call("linear_backward", dx if dx is not None else self.ffi.NULL, dw, *extra, dout, x, w, B, x.shape[1],
+                   n_out)
+
+    def relu_forward(self, h):
+        a = np.empty_like(h)
+        self._call("relu_forward", a, h, h.size)
+        return a
+
+    def relu_backward(self, da, h):
+        dh = np.empty_like(da)
+        self._call("relu_backward", dh, da, h, da.size)
+        return dh
+
+    def softmax_xent_forward(self, logits, y):
+        loss, probs = np.empty(1, np.float32), np.empty_like(logits)
+        self._call("softmax_xent_forward", loss, probs, logits, y.astype(np.int32), *logits.shape)
+        return loss[0], probs
+
+    def softmax_xent_backward(self, probs, y):
+        dlogits = np.empty_like(probs)
+        self._call("softmax_xent_backward", dlogits, probs, y.astype(np.int32), *probs.shape)
+        return dlogits
+
+    def sgd_update(self, params, grads, lr):
+        for name in grads:
+            self._call("sgd_update", params[name], grads[name], lr, grads[name].size)
+
+
+class Level4Layers(NativeLayers):
+    """Level 4 (tests/lab_level4.c): the linear layer adds its bias itself."""
+
+    def linear_forward(self, x, w, b):
+        out = np.empty((len(x), len(w)), np.float32)
+        self._call("linear_forward", out, x, w, b, len(x), x.shape[1], len(w))
+        return out
+
+    def linear_backward(self, dout, x, w):
+        dx = np.empty_like(x) if w is not None else None
+        dw, db = np.empty((dout.shape[1], x.shape[1]), np.float32), np.empty(dout.shape[1], np.float32)
+        self.linear_backward_into(dout, x, w if w is not None else np.empty_like(dw), dx, dw, db)
+        return dx, dw, db
+
+
+class Level5Layers(NativeLayers):
+    """Level 5 (tests/lab_level5.cu): the products only; the bias has kernels of its own (bias_forward, _backward)."""
+
+    def linear_forward(self, x, w, b):
+        out = np.empty((len(x), len(w)), np.float32)
+        self._call("linear_forward", out, x, w, len(x), x.shape[1], len(w))
+        return out + b  # added here: bias_forward is a task of its own
+
+    def linear_backward(self, dout, x, w):
+        dx = np.empty_like(x) if w is not None else None
+        dw = np.empty((dout.shape[1], x.shape[1]), np.float32)
+        self.linear_backward_into(dout, x, w if w is not None else np.empty_like(dw), dx, dw)
+        return dx, dw, None  # db is bias_backward's
+
+    def bias_forward(self, out, b):
+        out = out.copy()
+        self._call("bias_forward", out, b, *out.shape)
+        return out
+
+    def bias_backward(self, dout):
+        db = np.empty(dout.shape[1], np.float32)
+        self._call("bias_backward", db, dout, *dout.shape)
+        return db
+
+
+@pytest.fixture
+def layers(task, request):
+    """The layer functions of the task's level: level 3's module, or a native level's through its lab library."""
+    if task.level == 3:
+        from level3_numpy import mlp
+
+        return mlp
+    return {4: Level4Layers, 5: Level5Layers}[task.level](*library(task.level, request.config))
+
+
+@pytest.fixture(scope="module")
+def images(mnist):
+    """MNIST's first training images, as every level sees them."""
+    return mnist[0][:64]
+
+
+def normal(*shape: int, seed: int = 0, scale: float = 1.0) -> np.ndarray:
+    """float32 N(0, scale^2) entries, reproducible from the shape and seed."""
+    return (scale * np.random.default_rng([*shape, seed]).standard_normal(shape)).astype(np.float32)
+
+
+def inputs(B: int, n_in: int, images: np.ndarray) -> np.ndarray:
+    """A batch (B, n_in): MNIST rows for the first layer, else N(0, 1)."""
+    return np.ascontiguousarray(images[:B]) if n_in == N_IN else normal(B, n_in, seed=1)
+
+
+def f64(a) -> np.ndarray:
+    return np.asarray(a, dtype=np.float64)
+
+
+def assert_within(got, exact: np.ndarray, bound: np.ndarray, what: str) -> None:
+    """got is float32, exact's shape, and within bound of it, entry by entry; else say where and by how much."""
+    assert got is not None, f"{what} is None"
+    got = np.asarray(got)
+    assert got.dtype == np.float32, f"{what} is {got.dtype}, not float32"
+    assert got.shape == exact.shape, f"{what} has shape {got.shape}, not {exact.shape}"
+    err = np.abs(f64(got) - exact)
+    bound = np.broadcast_to(bound, exact.shape) + np.finfo(np.float32).tiny
+    bad = ~(err <= bound)  # NaN counts as bad
+    if bad.any():
+        i = tuple(int(j) for j in np.argwhere(bad)[0])
+        raise AssertionError(f"{what}{list(i)} = {got[i]:.8g}, exact {exact[i]:.8g}: off by {err[i]:.2g}, "
+                             f"allowed {bound[i]:.2g} ({int(bad.sum())} of {bad.size} entries off)")
+
+
+# ---- the linear layer ----
+
+
+@pytest.mark.parametrize("B, n_in, n_out", SIZES, ids=SIZE_IDS)
+@pytest.mark.parametrize("task", task_params("linear_forward"))
+def test_linear_forward(layers, images, B, n_in, n_out):
+    x, w, b = inputs(B, n_in, images), normal(n_out, n_in, scale=0.1), normal(n_out, seed=2)
+    out = layers.linear_forward(x, w, b)
+    exact = f64(x) @ f64(w).T + b
+    assert_within(out, exact, gamma(n_in + 1) * (np.abs(f64(x)) @ np.abs(f64(w)).T + np.abs(b)), "out")
+
+
+@pytest.mark.parametrize("B, n_in, n_out", SIZES, ids=SIZE_IDS)
+@pytest.mark.parametrize("task", task_params("linear_backward"))
+def test_linear_backward(layers, images, B, n_in, n_out):
+    x, w, dout = inputs(B, n_in, images), normal(n_out, n_in, scale=0.1), normal(B, n_out, seed=3)
+    dx, dw, db = layers.linear_backward(dout, x, w)
+    ax, aw, adout = np.abs(f64(x)), np.abs(f64(w)), np.abs(f64(dout))
+    assert_within(dw, f64(dout).T @ f64(x), gamma(B) * adout.T @ ax, "dw")
+    assert_within(dx, f64(dout) @ f64(w), gamma(n_out) * adout @ aw, "dx")
+    if db is not None:  # level 5's bias has a task of its own
+        assert_within(db, f64(dout).sum(axis=0), gamma(B) * adout.sum(axis=0), "db")
+    _, dw_alone, _ = layers.linear_backward(dout, x, None)  # the first layer: no dx, the same dw
+    np.testing.assert_array_equal(dw_alone, dw, err_msg="dw without dx differs from dw with it")
+
+
+@pytest.mark.parametrize("task", task_params("bias_forward"))
+def test_bias_forward(layers):
+    out, b = normal(13, 37), normal(37, seed=1)
+    assert_within(layers.bias_forward(out, b), f64(out + b), 0, "out")  # one rounded addition: exact
+
+
+@pytest.mark.parametrize("B, n", [(1, 1), (13, 37), (300, 5)])
+@pytest.mark.parametrize("task", task_params("bias_backward"))
+def test_bias_backward(layers, B, n):
+    dout = normal(B, n)
+    assert_within(layers.bias_backward(dout), f64(dout).sum(axis=0), gamma(B) * np.abs(f64(dout)).sum(axis=0), "db")
+
+
+# ---- ReLU ----
+
+
+def pre_activations(B: int, n: int) -> np.ndarray:
+    """h (B, n) with a third of it exactly 0 (where PyTorch's slope is 0), a third negative, a third positive."""
+    h = np.abs(normal(B, n, seed=4)) * np.random.default_rng(5).choice([-1.0, 0.0, 1.0], (B, n)).astype(np.float32)
+    assert (h == 0).any() and (h > 0).any() and (h < 0).any()
+    return h
+
+
+@pytest.mark.parametrize("task", task_params("relu_forward"))
+def test_relu_forward(layers):
+    h = pre_activations(13, 37)
+    assert_within(layers.relu_forward(h), f64(np.where(h > 0, h, 0)), 0, "a")  # a max is exact
+
+
+@pytest.mark.parametrize("task", task_params("relu_backward"))
+def test_relu_backward(layers):
+    h, da = pre_activations(13, 37), normal(13, 37, seed=6)  # da of both signs: a mask from da shows
+    assert_within(layers.relu_backward(da, h), f64(np.where(h > 0, da, 0)), 0, "dh (da where h > 0, else 0)")
+
+
+# ---- softmax cross-entropy ----
+
+
+def exact_softmax_xent(logits: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray]:
+    """(mean cross-entropy, softmax) in float64, by PyTorch."""
+    z = torch.tensor(logits, dtype=torch.float64)
+    return F.cross_entropy(z, torch.as_tensor(y)).item(), torch.softmax(z, dim=1).numpy()
+
+
+@pytest.mark.parametrize("B, n_out, scale", [(1, 10, 3.0), (13, 10, 3.0), (5, 3, 3.0), (13, 10, 1000.0)],
+                         ids=["1", "13", "3-classes", "logits-of-2000"])
+@pytest.mark.parametrize("task", task_params("softmax_xent_forward"))
+def test_softmax_xent_forward(layers, B, n_out, scale):
+    logits, y = normal(B, n_out, seed=7, scale=scale), np.arange(B) % n_out
+    loss, probs = layers.softmax_xent_forward(logits, y)
+    exact_loss, exact_probs = exact_softmax_xent(logits, y)
+    below_max = f64(logits).max(axis=1, keepdims=True) - logits
+    # The loss: the lockstep rule of common/verify.py (the rounding of a log-sum-exp and a logit, a few units each).
+    assert abs(float(loss) - exact_loss) <= LOSS_RTOL * exact_loss + LOSS_ATOL, f"loss {loss}, exact {exact_loss}"
+    # Each probability: rounding z - max moves exp() by |z - max| u relatively, and exp, the sum of n_out terms and
+    # the division add a few u more (4u per unit: exp() is within 2 ulp, on a GPU too).
+    assert_within(probs, exact_probs, 4 * U * (below_max + n_out + 4) * exact_probs, "probs")
+
+
+@pytest.mark.parametrize("B", [1, 13])
+@pytest.mark.parametrize("task", task_params("softmax_xent_backward"))
+def test_softmax_xent_backward(layers, B):
+    logits, y = normal(B, N_OUT, seed=8, scale=3.0), np.arange(B) % N_OUT
+    probs = exact_softmax_xent(logits, y)[1].astype(np.float32)
+    dlogits = layers.softmax_xent_backward(probs, y)
+    exact = (f64(probs) - np.eye(N_OUT)[y]) / B
+    # p - onehot and the division by B, each rounded once: 2u of the result.
+    assert_within(dlogits, exact, 2 * U * np.abs(exact), "dlogits")
+
+
+# ---- SGD ----
+
+
+@pytest.mark.parametrize("task", task_params("sgd_update"))
+def test_sgd_update(layers):
+    params = {name: normal(*shape, seed=9) for name, shape in param_shapes(37).items()}
+    grads = {name: normal(*shape, seed=10) for name, shape in param_shapes(37).items()}
+    before, lr = {k: v.copy() for k, v in params.items()}, np.float32(0.1)
+    layers.sgd_update(params, grads, lr)
+    for name in params:
+        step = f64(lr) * grads[name]
+        # lr * dp and the subtraction, each rounded once. A learning rate 0.2% off is 2e-4 here, 1,000x this bound.
+        assert_within(params[name], before[name] - step, 2 * U * (np.abs(f64(before[name])) + np.abs(step)), name)
+
+
+# ---- level 4's memory, under AddressSanitizer ----
+
+
+@pytest.mark.level4
+@pytest.mark.parametrize("part", [pytest.param("batch", marks=pytest.mark.task("4.8"), id="4.8"),
+                                  pytest.param("model", marks=pytest.mark.task("4.9"), id="4.9")])
+def test_memory_under_address_sanitizer(part):
+    program = ROOT / "build" / "lab_memory"
+    if not program.exists():
+        pytest.skip("build/lab_memory is not built: run `make build/lab_memory` (make grade does)")
+    run = subprocess.run([str(program), part], capture_output=True, text=True, timeout=120)
+    report = [line for line in (run.stdout + run.stderr).splitlines() if "ERROR" in line or "SUMMARY" in line]
+    assert run.returncode == 0, "\n".join(report[:2] or run.stdout.splitlines()[:3])
+
+
+# ---- level 6: the three products through cuBLAS's column-major rules ----
+
+B6, N_IN6, N_OUT6 = 3, 5, 4  # all different: a square matrix would hide a transpose
+PRODUCTS = {  # task -> (the output's name, its row-major value from the operands)
+    "out = x @ w^T": ("out", lambda a: a["x"] @ a["w"].T),
+    "dw = dout^T @ x": ("dw", lambda a: a["dout"].T @ a["x"]),
+    "dx = dout @ w": ("dx", lambda a: a["dout"] @ a["w"]),
+}
+
+
+def sgemm_call(region: str) -> list[str]:
+    """The arguments of the one cublasSgemm call in a region's code, as written."""
+    calls = [m.end() for m in re.finditer(r"\bcublasSgemm\s*\(", region)]
+    assert len(calls) == 1, f"expected one cublasSgemm call, found {len(calls)}: the layout check reads exactly one"
+    args, depth, current = [], 0, ""
+    for ch in region[calls[0]:]:
+        if ch == "," and depth == 0:
+            args.append(current.strip())
+            current = ""
+            continue
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth < 0:
+            return args + [current.strip()]
+        current += ch
+    raise AssertionError("the cublasSgemm call is not closed")
+
+
+@pytest.mark.parametrize("task", task_params("out = x @ w^T") + task_params("dw = dout^T @ x")
+                         + task_params("dx = dout @ w"))
+def test_cublas_layout(task):
+    """The call as written, its sizes, leading dimensions and operands read from the source, run through
+    common/sgemm.py on flat row-major arrays: it must give the row-major product, whatever the output held before."""
+    region = next(r for r in lab.regions(task.path) if r.task == task.id)
+    args = sgemm_call(region.body)
+    assert len(args) == 14, f"cublasSgemm takes 14 arguments, the call has {len(args)}"
+    arrays = {"x": normal(B6, N_IN6), "w": normal(N_OUT6, N_IN6, seed=1), "dout": normal(B6, N_OUT6, seed=2)}
+    output, product = PRODUCTS[task.name]
+    exact = product({k: f64(v) for k, v in arrays.items()})
+    bound = gamma(max(B6, N_IN6, N_OUT6)) * product({k: np.abs(f64(v)) for k, v in arrays.items()})
+    arrays[output] = np.full(exact.size, 7.0, np.float32)  # what an earlier step left there: beta must be 0
+    names = {"B": B6, "n_in": N_IN6, "n_out": N_OUT6, "one": 1.0, "zero": 0.0, "CUBLAS_OP_N": "N", "CUBLAS_OP_T": "T",
+             **{k: v.ravel() for k, v in arrays.items()}}
+    sgemm(*(evaluate(a, names) for a in args[1:]))  # args[0] is the handle
+    # cuBLAS wrote the column-major (m, n) = product^T: read row-major, the same floats are the product itself.
+    assert_within(arrays[output].reshape(exact.shape), exact, bound, f"{output} (row-major)")
+
+
+def evaluate(expression: str, names: dict):
+    """An argument as written (`n_in`, `&one`, `CUBLAS_OP_T`, `x`), with the test's sizes and arrays."""
+    try:
+        return eval(expression.removeprefix("&"), {"__builtins__": {}}, names)  # the names above, + - * only
+    except Exception as e:
+        raise AssertionError(f"cannot read the argument {expression!r} (sizes B, n_in, n_out; arrays x, w, dout, "
+                             f"out, dw, dx; &one, &zero): {e}") from None
+
+
+# ---- level 7: the grid barrier and the ownership of the weights ----
+
+
+@pytest.mark.parametrize("task", task_params("grid_barrier"))
+def test_grid_barrier(task, request):
+    ffi, lib = library(7, request.config)
+    late, launched = ffi.new("int *"), ffi.new("int *")
+    assert lib.lab_grid_barrier(1024, 1000, late, launched) == 0, ffi.string(lib.mlp_last_error()).decode()
+    assert late[0] == 0, f"{late[0]} reads of {launched[0]} blocks' slots came before the block reached the barrier"
+
+
+@pytest.mark.parametrize("hidden, units", [(256, 8), (37, 8), (1, 1), (1024, 8), (100, 16), (4000, 16)])
+@pytest.mark.parametrize("task", task_params("owned_units"))
+def test_owned_units(task, request, hidden, units):
+    ffi, lib = library(7, request.config)
+    blocks = -(-hidden // units)
+    j0, owned = np.empty(blocks, np.int32), np.empty(blocks, np.int32)
+    assert lib.lab_owned_units(hidden, units, ffi.from_buffer(j0), ffi.from_buffer(owned)) == 0
+    assert (owned >= 0).all() and (owned <= units).all(), f"a block owns {owned.min()}..{owned.max()} units"
+    units_seen = np.concatenate([np.arange(j, j + n) for j, n in zip(j0, owned)])
+    np.testing.assert_array_equal(np.sort(units_seen), np.arange(hidden), err_msg="every unit needs exactly one owner")
+
+
+# ---- the chapters' exercises ----
+
+
+def chapter_function(path: str, name: str):
+    """The function `name` defined in a code cell of a chapter notebook, compiled alone (with NumPy as np)."""
+    for cell in json.loads((ROOT / path).read_text())["cells"]:
+        source = "".join(cell["source"])
+        if cell["cell_type"] == "code" and f"def {name}(" in source:
+            node = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == name)
+            namespace = {"np": np}
+            exec(compile(ast.Module([node], []), path, "exec"), namespace)
+            return namespace[name]
+    raise LookupError(f"no cell of {path} defines {name}")
+
+
+@pytest.mark.level2
+@pytest.mark.task("2.5")
+def test_tanh_backward():
+    from level2_theory import backprop as bp
+
+    tanh_backward = chapter_function(lab.task("2.5").path, "tanh_backward")
+    h, da = np.random.default_rng(8).standard_normal((13, 37)), np.random.default_rng(9).standard_normal((13, 37))
+    mine = tanh_backward(da, np.tanh(h))
+    th = torch.tensor(h, requires_grad=True)
+    torch.tanh(th).backward(torch.tensor(da))
+    # test_level2.py's tolerances: 1e-6 against central differences, 1e-12 against autograd (both float64).
+    assert bp.rel_error(mine, bp.numerical_gradient(lambda v: np.sum(np.tanh(v) * da), h)) < 1e-6
+    assert bp.rel_error(mine, th.grad.numpy()) < 1e-12
+
+
+@pytest.mark.level3
+@pytest.mark.task("3.9")
+def test_sgd_momentum_update():
+    sgd_momentum_update = chapter_function(lab.task("3.9").path, "sgd_momentum_update")
+    params = {name: normal(*shape, seed=11) for name, shape in param_shapes(37).items()}
+    exact = {k: f64(v) for k, v in params.items()}
+    velocity = {k: np.zeros_like(v) for k, v in params.items()}
+    exact_velocity = {k: np.zeros_like(v) for k, v in exact.items()}
+    lr, steps, largest = np.float32(0.1), 20, {}
+    for step in range(steps):
+        grads = {name: normal(*shape, seed=12 + step) for name, shape in param_shapes(37).items()}
+        sgd_momentum_update(params, grads, velocity, lr)
+        for k in exact:  # torch.optim.SGD(momentum=0.9)'s rule, in float64
+            exact_velocity[k] = 0.9 * exact_velocity[k] + grads[k]
+            exact[k] -= f64(lr) * exact_velocity[k]
+        largest = {k: np.maximum(largest.get(k, 0), np.abs(v)) for k, v in exact_velocity.items()}
+    for k in exact:
+        # Each step rounds v twice (2u |v|) and p twice (2u (|p| + lr |v|)); an error in v reaches p through lr at every
+        # later step. Over the steps: steps 2u (|p| + lr V) + lr steps^2 2u V, with V the largest |v|.
+        V = f64(largest[k])
+        bound = steps * 2 * U * (np.abs(exact[k]) + f64(lr) * V) + f64(lr) * steps**2 * 2 * U * V
+        assert_within(params[k], exact[k], bound, k)
+
