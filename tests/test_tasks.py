@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -55,14 +57,21 @@ def task_params(name: str) -> list:
 
 
 def library(number: int, config):
-    """The lab library of level 4, 5 or 7 (tests/lab_level*.c[u], built into build/): (ffi, lib)."""
-    from cffi import FFI
-
+    """The lab library of level 4, 5 or 7 (tests/lab_level*.c[u], built into build/): (ffi, lib); skips where it
+    cannot run or is not built."""
     if number > 4:
         require(level(number), "cuda", config)
     path = ROOT / "build" / f"lab_level{number}.so"
     if not path.exists():
         pytest.skip(f"{path.relative_to(ROOT)} is not built: run `make {path.relative_to(ROOT)}` (make grade does)")
+    return load(number)
+
+
+def load(number: int):
+    """(ffi, lib) of build/lab_level<number>.so, declared from its source's cdef markers."""
+    from cffi import FFI
+
+    path = ROOT / "build" / f"lab_level{number}.so"
     ffi = FFI()
     source = (ROOT / "tests" / LIBRARIES[number]).read_text()
     ffi.cdef(re.search(r"/\* cdef-begin \*/(.*)/\* cdef-end \*/", source, re.S).group(1)
@@ -383,12 +392,32 @@ def evaluate(expression: str, names: dict):
 # ---- level 7: the grid barrier and the ownership of the weights ----
 
 
+# A thousand rounds of a working barrier take milliseconds. One that never opens keeps its kernel spinning, and
+# nothing but the end of its process stops a running kernel: so the rounds run in a child process, ended after this.
+BARRIER_DEADLINE_S = 30
+BARRIER_CHILD = """
+from test_tasks import load
+ffi, lib = load(7)
+late, launched = ffi.new("int *"), ffi.new("int *")
+status = lib.lab_grid_barrier(1024, 1000, late, launched)
+print(status, late[0], launched[0], ffi.string(lib.mlp_last_error()).decode())
+"""
+
+
 @pytest.mark.parametrize("task", task_params("grid_barrier"))
 def test_grid_barrier(task, request):
-    ffi, lib = library(7, request.config)
-    late, launched = ffi.new("int *"), ffi.new("int *")
-    assert lib.lab_grid_barrier(1024, 1000, late, launched) == 0, ffi.string(lib.mlp_last_error()).decode()
-    assert late[0] == 0, f"{late[0]} reads of {launched[0]} blocks' slots came before the block reached the barrier"
+    library(7, request.config)  # skips where level 7 cannot run
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+    try:
+        run = subprocess.run([sys.executable, "-c", BARRIER_CHILD], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=BARRIER_DEADLINE_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the barrier never opened: 1,000 rounds still ran after {BARRIER_DEADLINE_S} s (a block that "
+                    f"waits for a generation that never comes?); the process running them was ended")
+    assert run.returncode == 0, f"the barrier's process failed: {run.stderr.strip().splitlines()[-1:]}"
+    status, late, launched, message = (run.stdout.strip().split(maxsplit=3) + [""])[:4]
+    assert status == "0", message
+    assert late == "0", f"{late} reads of {launched} blocks' slots came before the block reached the barrier"
 
 
 @pytest.mark.parametrize("hidden, units", [(256, 8), (37, 8), (1, 1), (1024, 8), (100, 16), (4000, 16)])
