@@ -273,10 +273,20 @@ make grade
 """
 
 
+class NotACheckout(RuntimeError):
+    """The edition is made of the files git tracks, and there is no git checkout (or no git) to ask."""
+
+
 def shipped(root: Path = ROOT) -> list[str]:
-    """The repository's tracked files that go into the edition."""
-    files = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True, check=True).stdout.split()
-    return [f for f in files if not f.startswith(WITHHELD)]
+    """The repository's tracked files that go into the edition: nothing built, downloaded or ignored goes out."""
+    try:
+        run = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True, text=True)
+    except FileNotFoundError:
+        raise NotACheckout("the student edition is made of the files git tracks, and git is not installed") from None
+    if run.returncode:
+        raise NotACheckout(f"the student edition is made of the files git tracks: run this in a git clone of the "
+                           f"repository ({run.stderr.strip()})")
+    return [f for f in run.stdout.split("\0") if f and not f.startswith(WITHHELD)]
 
 
 def write_edition(out: Path, root: Path = ROOT) -> None:
@@ -342,7 +352,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out).resolve()
     if out == ROOT or ROOT.is_relative_to(out):
         raise SystemExit(f"refusing to replace {out}: it holds the repository")
-    write_edition(out)
+    try:
+        write_edition(out)
+    except NotACheckout as e:
+        raise SystemExit(f"make lab: {e}") from None
     print(f"student edition written to {out}: {sum(t.path is not None for t in TASKS)} tasks, a LAB.md per level "
           "(LABS.md says how to hand it out)")
     return 0
