@@ -128,7 +128,8 @@ def kernel_name(signature: str) -> str:
 def profile_markdown(rows: list[dict]) -> str:
     """The profile as a markdown table."""
     lines = [
-        "| implementation | batch | hidden | us/step | GPU busy | launches/step | launch overhead and gaps | busiest kernels (us/step) |",
+        "| implementation | batch | hidden | us/step | GPU busy (us/step) | launches/step | launch overhead and gaps (us/step) "
+        "| busiest kernels (us/step) |",
         "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
@@ -137,6 +138,9 @@ def profile_markdown(rows: list[dict]) -> str:
             f"| {r['level']} | {r['batch']} | {r['hidden']} | {r['wall_us_per_step']:.1f} | {r['kernel_us_per_step']:.1f} | "
             f"{r['launches_per_step']:.2g} | {r['other_us_per_step']:.1f} | {busiest} |"
         )
+    lines.append("\nEach row is one epoch under torch.profiler, in a run of its own: read it for how a step's time splits "
+                 "(inside kernels and copies, and the rest), not for speed, which the tables time as the median of "
+                 "repeated epochs without the profiler; the two us/step differ.")
     return "\n".join(lines)
 
 

@@ -28,6 +28,7 @@ import numpy as np
 from tqdm import tqdm
 
 from common import verify
+from common.contract import immutable
 from common.data import load_mnist, normalize
 from common.levels import LEVELS, ROOT, Level, gpu_available, level, missing
 from common.model import HIDDEN, flops_per_step, init_params
@@ -319,8 +320,9 @@ def training_set(data, args) -> tuple[np.ndarray, np.ndarray, int]:
     if args.train_size > len(images) and args.repeat:
         copies = -(-args.train_size // len(images))
         print(f"NOTE: this data set has {len(images):,} training images: repeating them {copies} times (--repeat)")
-        images, labels = np.tile(images, (copies, 1)), np.tile(labels, copies)
-        labels.flags.writeable = False  # read-only like the originals: the data set is uploaded once
+        # immutable like the originals (common/contract.py), so that a level uploads the data set once, not per epoch
+        labels = immutable(np.tile(labels, copies))
+        images = np.tile(images, (copies, 1))
     n = min(args.train_size, len(images))
     if n < args.train_size:
         print(f"NOTE: asked for {args.train_size:,} training images, this data set has {n:,}: training on {n:,}")

@@ -23,6 +23,13 @@ from common.data import MNISTError, load_mnist, normalize, read_idx
 pytestmark = pytest.mark.data
 
 
+@pytest.fixture(autouse=True)
+def no_offline_switch(monkeypatch):
+    """These tests drive the loader's every path themselves: MNIST_OFFLINE=1 from the suite's environment (a run of
+    the whole suite on the offline subset) must not send them all down the offline one. Those about it set it."""
+    monkeypatch.delenv("MNIST_OFFLINE", raising=False)
+
+
 def idx(array: np.ndarray) -> bytes:
     """IDX bytes written independently of the module under test: 00 00 08 ndim, big-endian dims, payload."""
     return bytes([0, 0, 8, array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape) + array.tobytes()

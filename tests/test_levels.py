@@ -120,6 +120,15 @@ def torch_loss_and_grads(params, X, y):
 
 
 @every_level
+def test_forward_of_more_rows_than_one_native_chunk(factory, mnist):
+    """forward() of 2,500 rows: the native levels work through them 1,024 at a time (FORWARD_CHUNK), so every chunk
+    after the first must read its own rows. Not left to the test set's size, which is 1,000 on the offline subset."""
+    params = trained_params(37, mnist)
+    X = mnist[0][:2500]
+    np.testing.assert_allclose(factory(params).forward(X), reference(params).forward(X), rtol=0, atol=GRAD_ATOL * 10)
+
+
+@every_level
 @pytest.mark.parametrize("hidden, batch", [(256, 8), (37, 13), (1, 1)])
 def test_loss_grads_and_logits_match_autograd(factory, mnist, hidden, batch):
     params = trained_params(hidden, mnist)
