@@ -46,7 +46,8 @@ def edition(tmp_path_factory) -> Path:
 
 def run_in(repo: Path, *command: str, timeout: int = 600) -> subprocess.CompletedProcess:
     """A command in the repository (or edition) at repo, importing its own code."""
-    env = {**os.environ, "PYTHONPATH": str(repo), "PYTHONDONTWRITEBYTECODE": "1"}
+    path = os.pathsep.join(filter(None, (str(repo), os.environ.get("PYTHONPATH"))))  # keeps where cffi may live
+    env = {**os.environ, "PYTHONPATH": path, "PYTHONDONTWRITEBYTECODE": "1"}
     return subprocess.run(command, cwd=repo, capture_output=True, text=True, env=env, timeout=timeout)
 
 

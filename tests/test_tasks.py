@@ -426,7 +426,7 @@ def test_owned_units(task, request, hidden, units):
     ffi, lib = library(7, request.config)
     blocks = -(-hidden // units)
     j0, owned = np.empty(blocks, np.int32), np.empty(blocks, np.int32)
-    assert lib.lab_owned_units(hidden, units, ffi.from_buffer(j0), ffi.from_buffer(owned)) == 0
+    assert lib.lab_owned_units(hidden, units, ffi.from_buffer("int[]", j0), ffi.from_buffer("int[]", owned)) == 0
     assert (owned >= 0).all() and (owned <= units).all(), f"a block owns {owned.min()}..{owned.max()} units"
     units_seen = np.concatenate([np.arange(j, j + n) for j, n in zip(j0, owned)])
     np.testing.assert_array_equal(np.sort(units_seen), np.arange(hidden), err_msg="every unit needs exactly one owner")
