@@ -8,6 +8,8 @@
  */
 #include "../level5_cuda_naive/mlp.cu"
 
+#include <vector>
+
 extern "C" {
 /* cdef-begin */
 int lab_linear_forward(float *out, const float *x, const float *w, int B, int n_in, int n_out);
@@ -23,7 +25,15 @@ int lab_sgd_update(float *p, const float *dp, float lr, size_t n);
 /* cdef-end */
 }
 
-/* The device arrays of one call: each a copy of a host array (or uninitialized, for an output), freed together. */
+/* GUARD_BYTES of GUARD_BYTE after each device array. A kernel that writes past its array's end lands in them and
+ * back() says so: without the guard such a write corrupts nothing the check reads, and the task would pass. A kernel
+ * missing its bounds check on a partial tile writes up to TILE - 1 = 15 rows too many: 15 x 784 floats (47,040 bytes)
+ * at the widest array the checks pass. */
+#define GUARD_BYTES 65536
+#define GUARD_BYTE 0xA5
+
+/* The device arrays of one call: each a copy of a host array (or uninitialized, for an output) and its guard, freed
+ * together. */
 struct Device {
     void *arrays[8] = {};
     int count = 0;
@@ -35,18 +45,26 @@ struct Device {
     /* *d = a device array of n elements, holding a copy of host[0 .. n) unless host is NULL. */
     template <typename T> int copy(T **d, const T *host, size_t n) {
         *d = NULL;
-        CUDA_CHECK(cudaMalloc(d, sizeof(T) * (n ? n : 1)));
+        CUDA_CHECK(cudaMalloc(d, sizeof(T) * n + GUARD_BYTES));
         arrays[count++] = *d;
+        CUDA_CHECK(cudaMemset((char *)*d + sizeof(T) * n, GUARD_BYTE, GUARD_BYTES));
         if (host) CUDA_CHECK(cudaMemcpy(*d, host, sizeof(T) * n, cudaMemcpyHostToDevice));
         return MLP_OK;
     }
 };
 
-/* After the layer function's status: wait for its kernels, then copy n elements of d back to host. */
+/* After the layer function's status: wait for its kernels, copy n elements of d back to host, and check that the
+ * guard after them is untouched. */
 template <typename T> static int back(int status, T *host, const T *d, size_t n) {
     if (status) return status;
     CUDA_CHECK(cudaDeviceSynchronize());
     CUDA_CHECK(cudaMemcpy(host, d, sizeof(T) * n, cudaMemcpyDeviceToHost));
+    std::vector<unsigned char> guard(GUARD_BYTES);
+    CUDA_CHECK(cudaMemcpy(guard.data(), (const char *)d + sizeof(T) * n, GUARD_BYTES, cudaMemcpyDeviceToHost));
+    for (size_t i = 0; i < GUARD_BYTES; i++)
+        if (guard[i] != GUARD_BYTE)
+            return FAIL(MLP_ERR_DEVICE, "a kernel wrote past the end of an output of %zu elements (%zu bytes after it): "
+                        "a missing bounds check?", n, i);
     return MLP_OK;
 }
 
