@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -122,9 +123,21 @@ def plant(level: int, file: str, good, bad, what: str, pytest_args: list[str]) -
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", f"level{level} and not notebooks",
              "-rf", *pytest_args], cwd=repo, capture_output=True, text=True, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
         )
-        return [line.split()[1] for line in test.stdout.splitlines() if line.startswith("FAILED")]
+        failed = [line.split()[1] for line in test.stdout.splitlines() if line.startswith("FAILED")]
+        if test.returncode < 0:  # a crash (a heap the bug overran, say) ends pytest before it reports: it catches too
+            return failed + [crash(test.stderr, -test.returncode)]
+        if test.returncode not in (0, 1):
+            raise SystemExit(f"pytest could not judge '{what}' (exit {test.returncode}):\n{test.stdout[-2000:]}")
+        return failed
     finally:
         shutil.rmtree(repo.parent)
+
+
+def crash(stderr: str, signal: int) -> str:
+    """The test that was running when pytest died, from the stack faulthandler printed (innermost frame first)."""
+    frames = re.findall(r'File "[^"]*/(tests/test_\w+\.py)", line \d+ in (\w+)', stderr)
+    return f"{frames[0][0]}::{frames[0][1]} (pytest crashed: signal {signal})" if frames else \
+        f"(pytest crashed: signal {signal}, in no test it could name)"
 
 
 def main() -> int:
