@@ -126,7 +126,7 @@ def plant(level: int, file: str, good, bad, what: str, pytest_args: list[str]) -
         failed = [line.split()[1] for line in test.stdout.splitlines() if line.startswith("FAILED")]
         if test.returncode < 0:  # a crash (a heap the bug overran, say) ends pytest before it reports: it catches too
             return failed + [crash(test.stderr, -test.returncode)]
-        if test.returncode not in (0, 1):
+        if test.returncode not in (0, 1) and not failed:  # (with failures, e.g. a GPU fault that stopped xdist: caught)
             raise SystemExit(f"pytest could not judge '{what}' (exit {test.returncode}):\n{test.stdout[-2000:]}")
         return failed
     finally:
