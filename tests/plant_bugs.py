@@ -135,7 +135,7 @@ def plant(level: int, file: str, good, bad, what: str, pytest_args: list[str]) -
 
 def crash(stderr: str, signal: int) -> str:
     """The test that was running when pytest died, from the stack faulthandler printed (innermost frame first)."""
-    frames = re.findall(r'File "[^"]*/(tests/test_\w+\.py)", line \d+ in (\w+)', stderr)
+    frames = re.findall(r'File "[^"]*/(tests/test_\w+\.py)", line \d+ in (test_\w+)', stderr)
     return f"{frames[0][0]}::{frames[0][1]} (pytest crashed: signal {signal})" if frames else \
         f"(pytest crashed: signal {signal}, in no test it could name)"
 
