@@ -246,8 +246,17 @@ def test_a_batch_beyond_2_to_the_31_is_the_whole_epoch_at_every_level(factory):
 
 # ---- 9. Ctrl-C ----
 
+@pytest.fixture
+def ctrl_c_raises():
+    """Python's own SIGINT handler for the test. A process started in the background (`cmd &` in a script, as some CI
+    runners start jobs) inherits SIGINT ignored, and Python then installs no handler: Ctrl-C would do nothing."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @native_levels
-def test_ctrl_c_stops_an_epoch_promptly_and_leaves_the_model_consistent(factory):
+def test_ctrl_c_stops_an_epoch_promptly_and_leaves_the_model_consistent(factory, ctrl_c_raises):
     params = init_params(0, 256)
     data_X, data_y = immutable(X), immutable(y)
     order = np.tile(np.arange(64, dtype=np.int32), 20_000)  # 160,000 steps of batch 8: far longer than the wait
