@@ -356,8 +356,9 @@ def main(argv: list[str] | None = None) -> int:
         write_edition(out)
     except NotACheckout as e:
         raise SystemExit(f"make lab: {e}") from None
-    print(f"student edition written to {out}: {sum(t.path is not None for t in TASKS)} tasks, a LAB.md per level "
-          "(LABS.md says how to hand it out)")
+    stubs = sum(t.path is not None for t in TASKS)
+    print(f"student edition written to {out}: {stubs} stubs to write, {len(TASKS)} graded tasks (with the checks of "
+          "what they add up to), a LAB.md per level (LABS.md says how to hand it out)")
     return 0
 
 
