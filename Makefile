@@ -1,4 +1,4 @@
-# One MNIST MLP, six levels. The two commands of the README:
+# One MNIST MLP, seven levels. The two commands of the README:
 #   make compare   set up, fetch MNIST, build and train every level this machine can run, print the table, plot
 #   make test      the whole test suite
 # Levels are listed once, in common/levels.py; here are only the build rules of the native ones.
