@@ -13,7 +13,7 @@ CUDA_ARCH := -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=s
 NVFLAGS := -O3 -std=c++17 $(CUDA_ARCH) -Xcompiler -fPIC,-Wall,-Wextra -Werror all-warnings --shared
 
 .PHONY: all compare bench test test-gpu check-memory check-memory-gpu levels level4 level5 level6 level7 lab grade \
-	notebooks clean
+	chapters notebooks clean
 
 all: compare
 
@@ -131,6 +131,11 @@ lab:
 # each check fails.
 grade: $(ENV)
 	$(PYTHON) -m common.grade $(if $(LEVEL),--level $(LEVEL)) $(if $(TASK),--task $(TASK)) $(ARGS)
+
+# The chapters executed and committed with their outputs (common/book.py): those whose outputs are stale, on this
+# machine, the GPU levels' ones only where there is a GPU. ARGS=--all re-makes every one; ARGS=--check only lists.
+chapters: $(ENV) levels
+	$(PYTHON) -m common.book $(ARGS)
 
 notebooks: $(ENV) levels
 	$(VENV)/bin/jupyter lab

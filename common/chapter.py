@@ -1,34 +1,83 @@
 """Helpers the chapter notebooks share: show the real code, train a small run with the harness, show results.
 
-Each chapter prints the code it discusses from the level's own source, so prose and code cannot drift apart.
+Each chapter shows the code it discusses from the level's own source, so prose and code cannot drift apart. Every
+repository file a chapter shows or reads goes through these helpers, which note it: `make chapters` records those
+files' hashes in the notebook (common/book.py), and the tests fail when one changed after the outputs were made.
 """
 
 from __future__ import annotations
 
 import inspect
+import io
 import json
 import re
+import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
 from common import compare, verify
-from common.levels import ROOT, gpu_available
+from common.levels import LEVELS, ROOT, gpu_available
 
 # What a brace counter must step over in C: comments and string or character literals (they may hold braces).
 _C_TOKENS = re.compile(r"/\*.*?\*/|//[^\n]*|\"(?:\\.|[^\"\\\n])*\"|'(?:\\.|[^'\\\n])*'|[{};]", re.S)
 BENCH = "measured with `make bench` (python -m common.bench) and committed"
+SCREEN_WIDTH = 900  # pixels: the widest a figure is embedded in a chapter
+
+_read: set[Path] = set()  # repository files shown or read through these helpers (see used_files)
+
+
+# The lab's markers around a solution (common/lab.py): they mean nothing to a reader of the chapter.
+_LAB_MARKER = re.compile(r"^[ \t]*(?:#|/\*) (?:BEGIN LAB \d+\.\d+ .*|END LAB)(?: \*/)?\n", re.M)
+
+
+class Code:
+    """Source code as a chapter shows it: highlighted where Markdown is rendered (Jupyter, GitHub), plain elsewhere."""
+
+    def __init__(self, text: str, language: str):
+        self.text, self.language = _LAB_MARKER.sub("", text + "\n").rstrip("\n"), language
+
+    def _repr_markdown_(self) -> str:
+        return f"```{self.language}\n{self.text}\n```"
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _note(path: str | Path) -> Path:
+    """The absolute path of a repository file, noted as read by the chapter."""
+    path = ROOT / path
+    _read.add(path.resolve())
+    return path
 
 
 def show_source(obj) -> None:
-    """Print a Python object's source, as the tests run it."""
-    print(inspect.getsource(obj))
+    """Show a Python object's source, as the tests run it."""
+    from IPython.display import display
+
+    _note(inspect.getsourcefile(obj))
+    display(Code(inspect.getsource(obj), "python"))
+
+
+def read_result(path: str | Path) -> str | None:
+    """The text of a committed results file (path relative to the repository root); None, saying why, if absent."""
+    file = _note(path)
+    if not file.exists():
+        print(f"No {path} here: it is {BENCH}. This cell shows it once it is there.")
+        return None
+    return file.read_text()
+
+
+def read_result_json(path: str | Path):
+    """A committed results file parsed as JSON; None, saying why, if absent."""
+    text = read_result(path)
+    return None if text is None else json.loads(text)
 
 
 def c_function(path: str | Path, name: str) -> tuple[int, str]:
     """(line, text) of the C/CUDA function, kernel, struct or macro `name`, from its leading comment to its end."""
-    text = (ROOT / path).read_text()
+    text = _note(path).read_text()
     # A definition starts in column 0 (calls are indented), perhaps after __launch_bounds__(...); a prototype meets a
     # ';' before any '{'.
     for match in re.finditer(rf"^(#define\s+|(?![\s#])[^\n;{{}}=]*?\b){re.escape(name)}\b\s*[({{]", text, re.M):
@@ -64,9 +113,11 @@ def _with_leading_comment(text: str, start: int, end: int) -> tuple[int, str]:
 
 
 def show_c_function(path: str | Path, name: str) -> None:
-    """Print one C/CUDA definition (path relative to the repository root), headed by where it is."""
+    """Show one C/CUDA definition (path relative to the repository root), headed by where it is."""
+    from IPython.display import display
+
     line, code = c_function(path, name)
-    print(f"// {path}, line {line}\n{code}\n")
+    display(Code(f"// {path}, line {line}\n{code}", "cuda" if str(path).endswith((".cu", ".cuh")) else "c"))
 
 
 def small_run(levels: list[int], epochs: int = 2, train_size: int = 1000, batch: int = 8, hidden: int = 256,
@@ -86,6 +137,7 @@ def small_run(levels: list[int], epochs: int = 2, train_size: int = 1000, batch:
 def load_results(folder: str | Path) -> dict | None:
     """A folder's results.json (relative to the repository root) plus its "folder"; None, saying why, if absent."""
     folder = ROOT / folder
+    _note(folder / "results.json")
     if not (folder / "results.json").exists():
         shown = folder.relative_to(ROOT) if folder.is_relative_to(ROOT) else folder
         print(f"No results in {shown}/ yet: they are {BENCH}. This cell shows them once they are there.")
@@ -110,7 +162,39 @@ def show_results(results: dict | str | Path, plots: bool = True) -> None:
         for r in results["table"]))
     for name in ("loss_curves.png", "lockstep.png") if plots else ():
         if (Path(results["folder"]) / name).exists():
-            display(Image(filename=str(Path(results["folder"]) / name)))
+            display(Image(data=screen_png(_note(Path(results["folder"]) / name))))
+
+
+def screen_png(path: Path) -> bytes:
+    """A PNG file scaled down to SCREEN_WIDTH pixels at most, so that a chapter carries no more than it shows."""
+    from PIL import Image
+
+    picture = Image.open(path)
+    if picture.width > SCREEN_WIDTH:
+        picture = picture.resize((SCREEN_WIDTH, round(picture.height * SCREEN_WIDTH / picture.width)), Image.LANCZOS)
+    return _png(picture)
+
+
+def _png(picture) -> bytes:
+    """A PIL image as a PNG of 256 colours: a third of the bytes for a plot, and no visible difference."""
+    buffer = io.BytesIO()
+    picture.convert("RGB").quantize(256).save(buffer, format="PNG", optimize=True)
+    return buffer.getvalue()
+
+
+def show_figure(fig, dpi: int = 100) -> None:
+    """Display a matplotlib figure at screen resolution (at most SCREEN_WIDTH pixels wide) and close it."""
+    import matplotlib.pyplot as plt
+    from IPython.display import Image, display
+    from PIL import Image as Picture
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=min(dpi, SCREEN_WIDTH / fig.get_figwidth()), bbox_inches="tight")
+    plt.close(fig)
+    picture = Picture.open(buffer)
+    if picture.width > SCREEN_WIDTH:  # bbox_inches="tight" may widen a figure past its size
+        picture = picture.resize((SCREEN_WIDTH, round(picture.height * SCREEN_WIDTH / picture.width)), Picture.LANCZOS)
+    display(Image(data=_png(picture)))
 
 
 def show_side_by_side(folders: list[str], key: str = "gflops") -> None:
@@ -131,10 +215,8 @@ def show_profile(path: str = "results/h100/profile.json") -> None:
 
     from common.bench import profile_markdown
 
-    if not (ROOT / path).exists():
-        print(f"No {path} yet: it is {BENCH}.")
-        return
-    display(Markdown(profile_markdown(json.loads((ROOT / path).read_text()))))
+    if (rows := read_result_json(path)) is not None:
+        display(Markdown(profile_markdown(rows)))
 
 
 def first_relu_split(a, b, X, y, batch: int, lr: float, steps: int) -> tuple[dict | None, np.ndarray]:
@@ -163,3 +245,32 @@ def first_relu_split(a, b, X, y, batch: int, lr: float, steps: int) -> tuple[dic
 def gpu_here() -> bool:
     """True when this machine has an NVIDIA GPU that the GPU levels can use."""
     return gpu_available()
+
+
+def used_files() -> list[str]:
+    """The repository files this chapter's kernel has used, relative to the root: the modules it imported, the sources
+    of the native libraries those load, and the files shown or read through these helpers. `make chapters` records
+    their hashes, so that a change to any of them marks the chapter's committed outputs as stale."""
+    files = set(_read)
+    for module in list(sys.modules.values()):
+        file = getattr(module, "__file__", None)
+        if file and Path(file).resolve().is_relative_to(ROOT) and ".venv" not in Path(file).parts:
+            files.add(Path(file).resolve())
+    for lv in LEVELS:
+        if lv.library and lv.package in sys.modules:
+            files |= native_sources(lv.library_path.parent)
+    return sorted(str(f.relative_to(ROOT)) for f in files if f.is_file() and f.is_relative_to(ROOT))
+
+
+def native_sources(folder: Path) -> set[Path]:
+    """The C/CUDA files a native level's library is built from: its own, and every file they #include "...", in turn."""
+    todo = [f.resolve() for f in (*folder.glob("*.c"), *folder.glob("*.cu"))]
+    seen: set[Path] = set()
+    while todo:
+        file = todo.pop()
+        if file in seen or not file.exists():
+            continue
+        seen.add(file)
+        for name in re.findall(r'^\s*#\s*include\s+"([^"]+)"', file.read_text(), re.M):
+            todo += [(where / name).resolve() for where in (file.parent, ROOT / "common")]
+    return seen

@@ -1,53 +1,106 @@
-"""Every chapter notebook runs from top to bottom, and is committed clean (no outputs, no execution counts).
+"""The chapters: each runs from top to bottom, its committed outputs are current, and its exercises name real code.
 
-The chapters are found by glob, level*/chapter.ipynb, so a new one is tested without editing this file. Each test is
+The chapters are found by glob (common.book.CHAPTERS), so a new one is tested without editing this file. Each test is
 marked `notebooks` and its level's marker (from the folder name, levelN_...), so `pytest -m level3` also runs level 3's
 chapter. Executing needs nbclient and ipykernel (the `test` extra); where they are missing those tests skip, saying so.
 """
 
 from __future__ import annotations
 
+import ast
+import base64
 import json
+import re
+import struct
 from pathlib import Path
 
 import pytest
 
-from common.levels import ROOT
+from common import book
+from common.chapter import SCREEN_WIDTH, c_function
+from common.levels import ROOT, gpu_available
 
-CHAPTERS = sorted(ROOT.glob("level*/chapter.ipynb"))
+MAX_KIB = 1536  # a chapter with its figures; PNGs at screen resolution keep each well under this
 
 
 def chapter_params() -> list:
     """One pytest.param per chapter, marked `notebooks` and levelN."""
     params = []
-    for path in CHAPTERS:
+    for path in book.CHAPTERS:
         marker = getattr(pytest.mark, path.parent.name.split("_")[0])
-        params.append(pytest.param(path, marks=[pytest.mark.notebooks, marker], id=path.parent.name))
+        name = path.parent.name if path.stem == "chapter" else f"{path.parent.name}-{path.stem}"
+        params.append(pytest.param(path, marks=[pytest.mark.notebooks, marker], id=name))
     return params
 
 
 @pytest.mark.parametrize("path", chapter_params())
 def test_chapter_runs(path: Path):
-    nbformat = pytest.importorskip("nbformat", reason="executing the chapters needs nbformat: pip install -e '.[test]'")
-    nbclient = pytest.importorskip("nbclient", reason="executing the chapters needs nbclient: pip install -e '.[test]'")
-    pytest.importorskip("ipykernel", reason="executing the chapters needs ipykernel: pip install -e '.[test]'")
-    notebook = nbformat.read(path, as_version=4)
-    client = nbclient.NotebookClient(
-        notebook, timeout=180, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
-    )
-    client.execute()  # a failing cell raises CellExecutionError, with the cell and its traceback
+    for module in ("nbformat", "nbclient", "ipykernel"):
+        pytest.importorskip(module, reason=f"executing the chapters needs {module}: pip install -e '.[test]'")
+    fresh = book.execute(path)  # a failing cell raises CellExecutionError, with the cell and its traceback
+    record = json.loads(path.read_text())["metadata"].get(book.KEY)
+    if record and not (gpu_available() and not record.get("gpu")):
+        unrecorded = set(fresh.metadata[book.KEY]["files"]) - set(record["files"])
+        assert not unrecorded, f"{path.relative_to(ROOT)} uses files its record lacks: {sorted(unrecorded)}"
 
 
 @pytest.mark.parametrize("path", chapter_params())
-def test_chapter_is_committed_without_outputs(path: Path):
+def test_chapter_outputs_are_current(path: Path):
+    why = book.stale(path)
+    where = "a GPU machine" if book.needs_gpu(path) else "this machine"
+    assert not why, f"{path.relative_to(ROOT)}'s committed outputs are stale ({'; '.join(why)}): run `make chapters` " \
+                    f"on {where} and commit the notebook"
+
+
+@pytest.mark.parametrize("path", chapter_params())
+def test_chapter_is_committed_readable(path: Path):
+    """Executed in one go, top to bottom, without errors; small enough to open anywhere; figures at screen size."""
     notebook = json.loads(path.read_text())
-    dirty = [
-        i
-        for i, cell in enumerate(notebook["cells"])
-        if cell.get("outputs") or cell.get("execution_count") is not None
-    ]
-    assert not dirty, (
-        f"{path.relative_to(ROOT)}: cells {dirty} hold outputs or execution counts; clear them with "
-        f"`jupyter nbconvert --clear-output --inplace {path.relative_to(ROOT)}`"
-    )
     assert notebook["metadata"]["kernelspec"]["name"] == "python3", "the tests run chapters with the python3 kernel"
+    code = [c for c in notebook["cells"] if c["cell_type"] == "code"]
+    assert [c["execution_count"] for c in code] == list(range(1, len(code) + 1)), \
+        f"{path.relative_to(ROOT)} was not executed top to bottom in one go: run `make chapters`"
+    errors = [i for i, c in enumerate(code) for o in c["outputs"] if o["output_type"] == "error"]
+    assert not errors, f"{path.relative_to(ROOT)}: code cells {errors} end in an error"
+    assert path.stat().st_size <= MAX_KIB * 1024, f"{path.relative_to(ROOT)} is {path.stat().st_size // 1024} KiB"
+    for o in (o for c in code for o in c["outputs"]):
+        if png := o.get("data", {}).get("image/png"):
+            width = struct.unpack(">I", base64.b64decode(png)[16:20])[0]  # the IHDR chunk's first field
+            assert width <= SCREEN_WIDTH, f"{path.relative_to(ROOT)}: a figure {width} pixels wide"
+
+
+# An exercise that asks for a change names its target so that a test can find it:
+#   In `level3_numpy/mlp.py`, function `softmax_xent_backward`, change the line `return (probs - onehot) / batch` ...
+TARGET = re.compile(r"`(?P<file>[\w./-]+\.(?:py|c|cu|cuh|h))`, (?:function|kernel|method|macro|struct) "
+                    r"`(?P<name>[\w.]+)`(?:, (?:the )?line `(?P<line>[^`]+)`)?")
+PATH = re.compile(r"`((?:level\d\w*|common|tests)/[\w./-]+\.\w+)`")
+
+
+def markdown(path: Path) -> str:
+    return "\n".join("".join(c["source"]) for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "markdown")
+
+
+def definition(file: Path, name: str) -> str:
+    """The source of a Python function or method (Class.method) or of a C/CUDA definition."""
+    if file.suffix != ".py":
+        return c_function(file.relative_to(ROOT), name)[1]
+    text = file.read_text()
+    scope: list = ast.parse(text).body
+    for part in name.split("."):
+        node = next((n for n in scope if getattr(n, "name", None) == part), None)
+        assert node is not None, f"{file.relative_to(ROOT)} has no {name}"
+        scope = getattr(node, "body", [])
+    return ast.get_source_segment(text, node)
+
+
+@pytest.mark.parametrize("path", chapter_params())
+def test_exercises_name_code_that_exists(path: Path):
+    text = markdown(path)
+    for file in PATH.findall(text):
+        assert (ROOT / file).exists(), f"{path.relative_to(ROOT)} names {file}, which does not exist"
+    for target in TARGET.finditer(text):
+        source = definition(ROOT / target["file"], target["name"])
+        if target["line"]:
+            lines = {line.strip() for line in source.splitlines()}
+            assert target["line"].strip() in lines, (f"{path.relative_to(ROOT)}: {target['file']}'s {target['name']} has "
+                                                     f"no line `{target['line']}`")
