@@ -7,6 +7,7 @@ files' hashes in the notebook (common/book.py), and the tests fail when one chan
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import io
 import json
@@ -52,12 +53,18 @@ def _note(path: str | Path) -> Path:
     return path
 
 
-def show_source(obj) -> None:
-    """Show a Python object's source, as the tests run it."""
+def show_source(*objects) -> None:
+    """Show Python objects' source (functions, classes, methods), as the tests run it."""
     from IPython.display import display
 
-    _note(inspect.getsourcefile(obj))
-    display(Code(inspect.getsource(obj), "python"))
+    for obj in objects:
+        _note(inspect.getsourcefile(obj))
+        display(Code(inspect.getsource(obj), "python"))
+
+
+def read_source(path: str | Path) -> str:
+    """The text of a source file of the repository (path relative to its root), for a chapter that searches it."""
+    return _note(path).read_text()
 
 
 def read_result(path: str | Path) -> str | None:
@@ -127,9 +134,12 @@ def small_run(levels: list[int], epochs: int = 2, train_size: int = 1000, batch:
     Raises when the harness reports a failure, so that a chapter (and its test) cannot show a failed check as a pass.
     """
     folder = ROOT / out if out else Path(tempfile.mkdtemp(prefix="chapter-"))
-    status = compare.main(["--levels", ",".join(map(str, levels)), "--epochs", str(epochs), "--train-size",
-                           str(train_size), "--batch", str(batch), "--hidden", str(hidden), "--out", str(folder), "--quiet"])
+    with contextlib.redirect_stdout(io.StringIO()) as log:  # show_results prints the table the chapter wants
+        status = compare.main(["--levels", ",".join(map(str, levels)), "--epochs", str(epochs), "--train-size",
+                               str(train_size), "--batch", str(batch), "--hidden", str(hidden), "--out", str(folder),
+                               "--quiet"])
     if status:
+        print(log.getvalue())
         raise RuntimeError(f"the harness reports a failure (exit status {status}): see the FAIL lines above")
     return load_results(folder)
 

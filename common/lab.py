@@ -32,6 +32,7 @@ class Task:
     checks: str  # what its grade checks
     points: int
     needs: tuple[str, ...] = ()  # tasks whose code its checks run too: it is graded once they pass
+    exercise: bool = False  # a chapter's exercise: its level runs without it
 
     @property
     def level(self) -> int:
@@ -56,7 +57,8 @@ _WRITTEN = (
     Task("2.2", "ReLU", "level2_theory/backprop.py", "forward; backward by finite differences, autograd", 2),
     Task("2.3", "softmax cross-entropy", "level2_theory/backprop.py",
          "softmax, loss; dlogits by finite differences, autograd", 3),
-    Task("2.5", "tanh_backward", "level2_theory/chapter.ipynb", "the chapter's exercise, by finite differences", 2),
+    Task("2.5", "tanh_backward", "level2_theory/backprop.py", "the chapter's exercise, by finite differences", 2,
+         exercise=True),
     Task("3.1", "linear_forward", "level3_numpy/mlp.py", f"x w^T + b {FLOAT64}", 2),
     Task("3.2", "linear_backward", "level3_numpy/mlp.py", f"dx, dw, db {FLOAT64}; square w", 4),
     Task("3.3", "relu_forward", "level3_numpy/mlp.py", "exactly max(h, 0), zeros included", 1),
@@ -64,8 +66,8 @@ _WRITTEN = (
     Task("3.5", "softmax_xent_forward", "level3_numpy/mlp.py", f"loss and softmax {FLOAT64}; logits of 2,000", 3),
     Task("3.6", "softmax_xent_backward", "level3_numpy/mlp.py", "(p - onehot(y)) / B against float64, B = 1 and 13", 2),
     Task("3.7", "sgd_update", "level3_numpy/mlp.py", "in place, against float64; an lr 0.2% off fails", 1),
-    Task("3.9", "sgd_momentum_update", "level3_numpy/chapter.ipynb",
-         "the chapter's exercise: 20 steps against torch.optim.SGD(momentum=0.9)", 2),
+    Task("3.9", "sgd_momentum_update", "level3_numpy/mlp.py",
+         "the chapter's exercise: 20 steps against torch.optim.SGD(momentum=0.9)", 2, exercise=True),
     Task("4.1", "linear_forward", C_LAYERS, f"x w^T + b {FLOAT64}", 3),
     Task("4.2", "linear_backward", C_LAYERS, f"dx, dw, db {FLOAT64}; dx NULL", 5),
     Task("4.3", "relu_forward", C_LAYERS, "exactly max(h, 0), zeros included", 1),
@@ -96,7 +98,7 @@ _WRITTEN = (
 
 def _needs(*paths: str) -> tuple[str, ...]:
     """The tasks of these files, but the chapters' exercises (a level runs without them)."""
-    return tuple(t.id for t in _WRITTEN if t.path in paths)
+    return tuple(t.id for t in _WRITTEN if t.path in paths and not t.exercise)
 
 
 LEVEL_ROW = "the level's tests in tests/test_levels.py: lockstep with level 1, autograd, odd sizes"

@@ -117,6 +117,22 @@ def rel_error(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), np.finfo(np.float64).tiny))
 
 
+# The chapter's exercise: another activation.
+
+
+def tanh_forward(h: np.ndarray) -> np.ndarray:
+    """a = tanh(h), elementwise."""
+    return np.tanh(h)
+
+
+def tanh_backward(da: np.ndarray, a: np.ndarray) -> np.ndarray:
+    """dh, the gradient of the loss with respect to tanh's input h, given da (with respect to its output) and the
+    output a = tanh(h) kept from the forward pass; all of one shape."""
+    # BEGIN LAB 2.5 tanh_backward
+    return da * (1 - a**2)
+    # END LAB
+
+
 # The usual mistakes, kept to show that the checks catch them. Never call these from a level.
 
 

@@ -80,6 +80,18 @@ def sgd_update(params: dict[str, np.ndarray], grads: dict[str, np.ndarray], lr: 
     # END LAB
 
 
+def sgd_momentum_update(params: dict[str, np.ndarray], grads: dict[str, np.ndarray],
+                        velocity: dict[str, np.ndarray], lr: np.float32, momentum: float = 0.9) -> None:
+    """The update of torch.optim.SGD(momentum=momentum), in place: every parameter and its velocity (same names and
+    shapes as params, zeros before the first step) change; the chapter's exercise."""
+    # BEGIN LAB 3.9 sgd_momentum_update
+    for name, grad in grads.items():
+        velocity[name] *= momentum
+        velocity[name] += grad
+        params[name] -= lr * velocity[name]
+    # END LAB
+
+
 # ---- the model: the contract every level implements ----
 
 
