@@ -18,7 +18,6 @@ import re
 import sys
 import time
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 

@@ -2,6 +2,7 @@
  *   level4_c/mlp.c           (plain C, on the CPU)
  *   level5_cuda_naive/mlp.cu (hand-written CUDA kernels)
  *   level6_cublas/mlp.cu     (cuBLAS GEMMs)
+ *   level7_fused/mlp.cu      (one fused kernel per epoch)
  * and loaded by one Python binding, common/native.py (cffi, ABI mode), which reads the
  * declarations between the cdef markers below, so Python and C cannot drift apart.
  *

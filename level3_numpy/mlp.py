@@ -20,16 +20,17 @@ from common.contract import DataCache, check_params, check_training, check_X, ch
 
 
 def linear_forward(x: np.ndarray, w: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """out (B, n_out) = x (B, n_in) @ w^T + b, with w (n_out, n_in) and b (n_out,)."""
+    """The fully connected layer: x (B, n_in), weights w (n_out, n_in), bias b (n_out,) -> out (B, n_out)."""
     # BEGIN LAB 3.1 linear_forward
     return x @ w.T + b
     # END LAB
 
 
 def linear_backward(dout: np.ndarray, x: np.ndarray, w: np.ndarray | None) -> tuple:
-    """Backward of out = x @ w^T + b, given dout (B, n_out): (dx, dw, db) = (dout @ w, dout^T @ x, rows of dout summed).
+    """Backward of linear_forward: given dout (B, n_out), the gradient with respect to its output, and its inputs x
+    (B, n_in) and w (n_out, n_in), the gradients (dx (B, n_in), dw (n_out, n_in), db (n_out,)).
 
-    dx only where w is given: the first layer needs no gradient for the pixels.
+    dx is None when w is None: the first layer needs no gradient for the pixels.
     """
     # BEGIN LAB 3.2 linear_backward
     return (dout @ w if w is not None else None), dout.T @ x, dout.sum(axis=0)
@@ -37,24 +38,23 @@ def linear_backward(dout: np.ndarray, x: np.ndarray, w: np.ndarray | None) -> tu
 
 
 def relu_forward(h: np.ndarray) -> np.ndarray:
-    """a = max(h, 0)."""
+    """ReLU, elementwise: a = max(h, 0), of h's shape."""
     # BEGIN LAB 3.3 relu_forward
     return np.maximum(h, 0)
     # END LAB
 
 
 def relu_backward(da: np.ndarray, h: np.ndarray) -> np.ndarray:
-    """Backward of a = max(h, 0): dh = da where h > 0, else 0. The mask comes from h, the ReLU's input."""
+    """Backward of relu_forward: given da, the gradient with respect to its output, and h, its input (one shape),
+    the gradient dh with respect to h; 0 where h is exactly 0, as in PyTorch."""
     # BEGIN LAB 3.4 relu_backward
     return da * (h > 0)
     # END LAB
 
 
 def softmax_xent_forward(logits: np.ndarray, y: np.ndarray) -> tuple[np.float32, np.ndarray]:
-    """(mean cross-entropy of logits (B, 10) against labels y (B), softmax probabilities (B, 10)).
-
-    Subtracting each row's max before exp() keeps it finite for any logits; log-sum-exp gives the loss.
-    """
+    """(the mean softmax cross-entropy of logits (B, 10) against labels y (B), the softmax probabilities (B, 10));
+    both finite for any finite logits, however large."""
     # BEGIN LAB 3.5 softmax_xent_forward
     shifted = logits - logits.max(axis=1, keepdims=True)
     log_sum = np.log(np.exp(shifted).sum(axis=1))
@@ -64,7 +64,8 @@ def softmax_xent_forward(logits: np.ndarray, y: np.ndarray) -> tuple[np.float32,
 
 
 def softmax_xent_backward(probs: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Backward of the mean cross-entropy: dlogits = (softmax - onehot(y)) / B."""
+    """Backward of softmax_xent_forward: given its probabilities probs (B, 10) and the labels y (B), dlogits
+    (B, 10), the gradient of the mean loss with respect to the logits."""
     # BEGIN LAB 3.6 softmax_xent_backward
     dlogits = probs.copy()
     dlogits[np.arange(len(y)), y] -= 1

@@ -61,9 +61,9 @@ static void linear_forward(float *out, const float *x, const float *w, const flo
     /* END LAB */
 }
 
-/* Backward of out = x @ w^T + b, given dout (B, n_out):
- *   dw (n_out, n_in) = dout^T @ x,  db (n_out) = sum over rows of dout,  dx (B, n_in) = dout @ w.
- * Each product is an order of loops whose inner loop is "row += scalar * row" (stride 1 in both).
+/* Backward of linear_forward: given dout (B, n_out), the gradient with respect to its output, and its inputs
+ * x (B, n_in) and w (n_out, n_in), writes the gradients dw (n_out, n_in), db (n_out) and dx (B, n_in).
+ * For speed, order each product's loops so that the inner one is "row += scalar * row" (stride 1 in both).
  * dx may be NULL: the first layer needs no gradient for the pixels. */
 static void linear_backward(float *dx, float *dw, float *db, const float *dout, const float *x, const float *w, int B,
                             int n_in, int n_out) {
@@ -90,22 +90,23 @@ static void linear_backward(float *dx, float *dw, float *db, const float *dout, 
     /* END LAB */
 }
 
-/* a = max(h, 0), n elements. */
+/* ReLU, elementwise: a = max(h, 0), n elements. */
 static void relu_forward(float *a, const float *h, size_t n) {
     /* BEGIN LAB 4.3 relu_forward */
     for (size_t i = 0; i < n; i++) a[i] = h[i] > 0.0f ? h[i] : 0.0f;
     /* END LAB */
 }
 
-/* Backward of a = max(h, 0): dh = da where h > 0, else 0. The mask comes from h, the ReLU's input. */
+/* Backward of relu_forward: given da, the gradient with respect to its output, and h, its input (n elements
+ * each), writes dh, the gradient with respect to h; 0 where h is exactly 0, as in PyTorch. */
 static void relu_backward(float *dh, const float *da, const float *h, size_t n) {
     /* BEGIN LAB 4.4 relu_backward */
     for (size_t i = 0; i < n; i++) dh[i] = h[i] > 0.0f ? da[i] : 0.0f;
     /* END LAB */
 }
 
-/* Mean cross-entropy of logits (B, n_out) against labels y (B); also leaves softmax(logits) in probs.
- * Subtracting the row max before exp() keeps it finite for any logits; log-sum-exp gives the loss.
+/* The mean softmax cross-entropy of logits (B, n_out) against labels y (B), returned; the softmax
+ * probabilities are written to probs (B, n_out). Both finite for any finite logits, however large.
  * The rows' losses are summed in double: a float running sum over a large batch drifts (2.8 million
  * equal rows gave 2.3443 for 2.3026), and the mean must not depend on the batch size. */
 static float softmax_xent_forward(float *probs, const float *logits, const int *y, int B, int n_out) {
@@ -128,7 +129,8 @@ static float softmax_xent_forward(float *probs, const float *logits, const int *
     /* END LAB */
 }
 
-/* Backward of the mean cross-entropy: dlogits = (softmax - onehot(y)) / B. In place over probs is fine. */
+/* Backward of softmax_xent_forward: given its probabilities probs (B, n_out) and the labels y (B), writes
+ * dlogits (B, n_out), the gradient of the mean loss with respect to the logits. dlogits may be probs. */
 static void softmax_xent_backward(float *dlogits, const float *probs, const int *y, int B, int n_out) {
     /* BEGIN LAB 4.6 softmax_xent_backward */
     for (int r = 0; r < B; r++)
@@ -140,7 +142,7 @@ static void softmax_xent_backward(float *dlogits, const float *probs, const int 
     /* END LAB */
 }
 
-/* p -= lr * dp, n elements. */
+/* One plain SGD step, in place: p -= lr * dp, n elements. */
 static void sgd_update(float *p, const float *dp, float lr, size_t n) {
     /* BEGIN LAB 4.7 sgd_update */
     for (size_t i = 0; i < n; i++) p[i] -= lr * dp[i];
