@@ -96,7 +96,7 @@ def definition(file: Path, name: str) -> str:
 @pytest.mark.parametrize("path", chapter_params())
 def test_exercises_name_code_that_exists(path: Path):
     text = markdown(path)
-    for file in PATH.findall(text):
+    for file in (f for f in PATH.findall(text) if not f.endswith(".so")):  # a library is built, not committed
         assert (ROOT / file).exists(), f"{path.relative_to(ROOT)} names {file}, which does not exist"
     for target in TARGET.finditer(text):
         source = definition(ROOT / target["file"], target["name"])
