@@ -137,6 +137,9 @@ def tasks_named(name: str) -> list[Task]:
 
 BEGIN = re.compile(r"^(?P<indent>[ \t]*)(?:#|/\*) BEGIN LAB (?P<id>\d+\.\d+) (?P<name>.+?)(?: \*/)?$")
 END = re.compile(r"^[ \t]*(?:#|/\*) END LAB(?: \*/)?$")
+# A comment that mentions a marker but is none (a typo, a nested BEGIN): an error, never silently part of a region.
+# Code that merely holds the words (a pattern, a message) is no marker.
+MARKER_LIKE = re.compile(r"^[ \t]*(?:#|/\*|//).*\b(?:BEGIN|END) LAB\b")
 
 
 @dataclass(frozen=True)
@@ -161,7 +164,7 @@ def regions_in(text: str, language: str) -> list[Region]:
             function, stub = _stub(lines[:start], match, language)
             found.append(Region(match["id"], match["name"], function, "".join(lines[start + 1 : i]), stub))
             begin = None
-        elif "BEGIN LAB" in line or "END LAB" in line:
+        elif MARKER_LIKE.match(line):
             raise ValueError(f"line {i + 1}: a marker out of place (regions do not nest, and each has its END): {line}")
     if begin is not None:
         raise ValueError(f"line {begin[0] + 1}: BEGIN LAB {begin[1]['id']} has no END LAB")
