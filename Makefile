@@ -13,7 +13,7 @@ CUDA_ARCH := -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=s
 NVFLAGS := -O3 -std=c++17 $(CUDA_ARCH) -Xcompiler -fPIC,-Wall,-Wextra -Werror all-warnings --shared
 
 .PHONY: all compare bench test test-gpu check-memory check-memory-gpu levels level4 level5 level6 level7 lab grade \
-	chapters notebooks clean
+	gradebook chapters notebooks clean
 
 all: compare
 
@@ -21,6 +21,8 @@ all: compare
 # torch is pinned first: 2.13.0 is a CPU build where a local wheel exists, and satisfies pyproject's range.
 $(VENV)/.installed: pyproject.toml
 	@[ "$(PYTHON_VERSION_OK)" = "True" ] || { echo "Python 3.10 or newer is needed as python3"; exit 1; }
+	@echo "Setting up $(VENV) (once): PyTorch, NumPy, cffi, matplotlib, pytest and Jupyter from the package index,"
+	@echo "about 2 GB and a few minutes (more where pip downloads PyTorch's CUDA build). Later runs reuse it."
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q torch==2.13.0 || $(VENV)/bin/pip install -q torch
@@ -136,6 +138,12 @@ grade: $(ENV)
 # machine, the GPU levels' ones only where there is a GPU. ARGS=--all re-makes every one; ARGS=--check only lists.
 chapters: $(ENV) levels
 	$(PYTHON) -m common.book $(ARGS)
+
+# A class's grades (LABS.md): every submission in SUBMISSIONS (one folder per student) graded in isolation, in parallel,
+# with the held-out checks; one CSV, a summary and a plot in gradebook/. JOBS=n at once, LEVEL=n one level.
+gradebook: $(ENV) levels
+	@[ -n "$(SUBMISSIONS)" ] || { echo "usage: make gradebook SUBMISSIONS=folder (one folder per student)"; exit 1; }
+	$(PYTHON) -m common.gradebook $(SUBMISSIONS) $(if $(JOBS),--jobs $(JOBS)) $(if $(LEVEL),--level $(LEVEL)) $(ARGS)
 
 notebooks: $(ENV) levels
 	$(VENV)/bin/jupyter lab

@@ -2,13 +2,19 @@
 
     make grade               every task;  make grade LEVEL=4: one level;  make grade TASK=4.2: one task
     python -m common.grade --help
+    python -m common.grade --submission DIR     a teacher's grade of one submission (common/gradebook.py runs it)
 
 A task whose marked regions still hold the student edition's stubs is "not attempted", and is not run. The others
 are built (level 4; levels 5-7 where there is a GPU) and checked in one pytest session, by the tests marked
 task("<id>"): tests/test_tasks.py, tests/test_level2.py and, for a level's row, the level's tests in
-tests/test_levels.py. A task that needs others is checked only once they pass; until then it is "blocked".
-The exit status is 0 only when every attempted task passes (GPU tasks where there is no GPU are left out, unless
---require-gpu makes them fail; --strict counts a task not attempted as failing).
+tests/test_levels.py; in the teacher's repository also the held-out checks of tests/test_holdout.py, which the
+student edition does not contain. A task that needs others is checked only once they pass; until then it is
+"blocked". A task whose code imports PyTorch (or another library that would do its work) fails with that reason.
+GPU tasks on a machine without an NVIDIA GPU are "needs GPU": not graded here, and not failed.
+
+With --submission, the submission's code runs only in a sandboxed worker (common/sandbox.py) and every verdict is
+computed here, from its outputs. The exit status is 0 only when every attempted task passes (--strict: every task;
+--require-gpu: GPU tasks that cannot run here fail).
 """
 
 from __future__ import annotations
@@ -17,28 +23,31 @@ import argparse
 import contextlib
 import io
 import json
+import os
 import re
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common import lab
+from common import lab, sandbox
 from common.lab import Task
 from common.levels import ROOT, gpu_available
 
-TEST_FILES = ("tests/test_tasks.py", "tests/test_level2.py", "tests/test_levels.py")
+# The held-out checks are the teacher's: the student edition leaves tests/test_holdout.py out (common/lab.py).
+TEST_FILES = ("tests/test_tasks.py", "tests/test_level2.py", "tests/test_levels.py", "tests/test_holdout.py")
 # What each level's checks load, built before they run (`make -s ...`); levels 5-7 only where there is a GPU.
 BUILDS = {4: ("level4", "build/lab_level4.so", "build/lab_memory"), 5: ("level5", "build/lab_level5.so"),
           6: ("level6",), 7: ("level7", "build/lab_level7.so")}
-NO_GPU = "needs an NVIDIA GPU (none visible)"
+NEEDS_GPU = "needs GPU"  # a status: not gradeable on this machine, and not failed
+NO_GPU = "needs an NVIDIA GPU, and none is visible here: grade it on a GPU machine (LABS.md, 'GPU tasks')"
 
 
 @dataclass
 class Result:
     task: Task
-    status: str = "not attempted"  # then "pass", "FAIL", "blocked" or "skipped"
-    note: str = ""  # why it failed, was blocked or skipped
+    status: str = "not attempted"  # then "pass", "FAIL", "blocked" or NEEDS_GPU
+    note: str = ""  # why it failed, was blocked or could not be graded here
     outcomes: list[tuple[str, str, str]] = field(default_factory=list)  # (test, "passed"/"failed"/"skipped", message)
 
     @property
@@ -55,13 +64,16 @@ def with_needs(selected: list[Task]) -> list[Task]:
     return [t for t in lab.TASKS if t.id in wanted]
 
 
-def prepare(tasks: list[Task]) -> dict[str, Result]:
-    """A result per task: not attempted, FAIL (no markers, does not build), blocked, or "run" for the checks to run."""
+def prepare(tasks: list[Task], root: Path = ROOT) -> dict[str, Result]:
+    """A result per task: not attempted, FAIL (no markers, a forbidden library, does not build), blocked, or "run" for
+    the checks to run. root holds the code under grade (a submission's sandbox, or this repository)."""
     results = {t.id: Result(t) for t in tasks}
     for r in results.values():
         try:
-            if lab.attempted(r.task):
+            if lab.attempted(r.task, root):
                 r.status = "run"
+                if why := lab.forbidden_use(r.task, root):
+                    r.status, r.note = "FAIL", why
         except LookupError as e:
             r.status, r.note = "FAIL", str(e)
     for r in results.values():
@@ -69,15 +81,18 @@ def prepare(tasks: list[Task]) -> dict[str, Result]:
         if r.status == "run" and waiting:
             r.status, r.note = "blocked", f"needs {', '.join(waiting)} (not attempted)"
     for number in sorted({r.task.level for r in results.values() if r.status == "run"}):
-        if number in BUILDS and (number == 4 or gpu_available()) and (error := build(BUILDS[number])):
+        if number in BUILDS and (number == 4 or gpu_available()) and (error := build(BUILDS[number], number > 4)):
             for r in results.values():
                 if r.task.level == number and r.status == "run":
                     r.status, r.note = "FAIL", f"does not build: {error}"
     return results
 
 
-def build(targets: tuple[str, ...]) -> str | None:
-    """`make -s targets`; None when it builds, else the compiler's first error."""
+def build(targets: tuple[str, ...], gpu: bool) -> str | None:
+    """`make -s targets` (in a teacher's grade: in the submission's sandbox); None when it builds, else the first
+    error."""
+    if sandbox.submission():
+        return sandbox.build(targets, gpu)
     run = subprocess.run(["make", "-s", *targets, f"PYTHON={sys.executable}"], cwd=ROOT, capture_output=True, text=True)
     if run.returncode == 0:
         return None
@@ -130,7 +145,7 @@ def passing(r: Result) -> bool:
 
 
 def skipped(r: Result) -> bool:
-    """Whether every check of a task was skipped, for want of a GPU (not because its own needs failed)."""
+    """Whether every check of a task was skipped for want of a GPU (not because its own needs failed)."""
     return (r.status == "run" and bool(r.outcomes) and all(o == "skipped" for _, o, _ in r.outcomes)
             and not r.outcomes[0][2].startswith("blocked by"))
 
@@ -154,7 +169,8 @@ def check(results: dict[str, Result], verbose: bool, pytest_args: list[str]) -> 
 
     recorder = Recorder(results)
     if any(r.status == "run" for r in results.values()):
-        args = [str(ROOT / f) for f in TEST_FILES] + ["-m", "task", "-p", "no:cacheprovider",
+        files = [str(ROOT / f) for f in TEST_FILES if (ROOT / f).exists()]
+        args = files + ["-m", "task", "-p", "no:cacheprovider",
                                                       "--continue-on-collection-errors", *pytest_args]
         output = contextlib.nullcontext() if verbose else contextlib.redirect_stdout(io.StringIO())
         with output:
@@ -176,23 +192,25 @@ def settle(r: Result, broken: list[str]) -> tuple[str, str]:
         reason = r.outcomes[0][2]
         if reason.startswith("blocked by"):
             return "blocked", reason
-        return "skipped", NO_GPU if not gpu_available() else reason
+        return NEEDS_GPU, NO_GPU if not gpu_available() else reason
     return "pass", ""
 
 
 def table(results: list[Result]) -> str:
-    """The grade table: task, result, points, what it checks; then why each task failed, was blocked or skipped."""
+    """The grade table: task, result, points, what it checks; the score of what was graded here, the points that need
+    a GPU apart; then why each task failed or was blocked, and what could not be graded here."""
     lines = [f"{'task':<5} {'name':<22} {'result':<14} {'points':>6}  checks"]
     for r in results:
-        points = f"{r.earned}/{r.task.points}"
+        points = f"{r.earned}/{r.task.points}" if r.status != NEEDS_GPU else f"-/{r.task.points}"
         lines.append(f"{r.task.id:<5} {r.task.name:<22} {r.status:<14} {points:>6}  {r.task.checks}")
-    total, earned = sum(r.task.points for r in results), sum(r.earned for r in results)
-    counts = {s: sum(r.status == s for r in results) for s in ("pass", "FAIL", "blocked", "skipped", "not attempted")}
-    lines.append(f"score {earned}/{total}: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n))
-    notes = [f"  {r.task.id} {r.status}: {r.note}" for r in results if r.note and r.status != "skipped"]
-    skipped = sorted({r.note for r in results if r.status == "skipped"})
-    notes += [f"  skipped ({', '.join(r.task.id for r in results if r.note == s)}): {s}" for s in skipped]
-    return "\n".join(lines + notes)
+    here = [r for r in results if r.status != NEEDS_GPU]
+    counts = {s: sum(r.status == s for r in here) for s in ("pass", "FAIL", "blocked", "not attempted")}
+    lines.append(f"score {sum(r.earned for r in here)}/{sum(r.task.points for r in here)}: "
+                 + ", ".join(f"{n} {s}" for s, n in counts.items() if n))
+    if gpu := [r for r in results if r.status == NEEDS_GPU]:
+        lines.append(f"not graded here: {len(gpu)} tasks, {sum(r.task.points for r in gpu)} points ({NO_GPU})")
+    lines += [f"  {r.task.id} {r.status}: {r.note}" for r in results if r.note and r.status != NEEDS_GPU]
+    return "\n".join(lines)
 
 
 def report(results: list[Result]) -> dict:
@@ -211,7 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--task", help="grade one task, e.g. 4.2")
     p.add_argument("--json", default="grade.json", help="where to write the results (default grade.json)")
     p.add_argument("-v", "--verbose", action="store_true", help="show pytest's report: each failing check and why")
-    p.add_argument("--require-gpu", action="store_true", help="fail GPU tasks that cannot run instead of skipping them")
+    p.add_argument("--require-gpu", action="store_true", help="fail GPU tasks that cannot run here")
+    p.add_argument("--submission", type=Path,
+                   help="grade this folder as a teacher does: a copy of the edition with a student's files in it, whose "
+                        "code runs only in a sandboxed worker (common/gradebook.py makes the copy)")
     p.add_argument("--strict", action="store_true",
                    help="exit 0 only when every selected task passes, not attempted ones too (for autograders that "
                         "award a test's points on exit status 0)")
@@ -220,12 +241,19 @@ def main(argv: list[str] | None = None) -> int:
                 and (args.task is None or t.id == args.task)]
     if not selected:
         raise SystemExit(f"no task matches; tasks are {', '.join(t.id for t in lab.TASKS)}")
-    results = prepare(with_needs(selected))
-    check(results, args.verbose, ["--require-gpu"] if args.require_gpu else [])
+    root = ROOT
+    if args.submission:
+        root = args.submission.resolve()
+        os.environ[sandbox.ENV] = str(root)
+    try:
+        results = prepare(with_needs(selected), root)
+        check(results, args.verbose, ["--require-gpu"] if args.require_gpu else [])
+    finally:
+        sandbox.stop_workers()
     shown = [results[t.id] for t in selected]
     print(table(shown))
     Path(args.json).write_text(json.dumps(report(shown), indent=1) + "\n")
-    passed = ("pass",) if args.strict else ("pass", "not attempted", "skipped")
+    passed = ("pass",) if args.strict else ("pass", "not attempted", NEEDS_GPU)
     return 0 if all(r.status in passed for r in shown) else 1
 
 

@@ -268,8 +268,16 @@ def strip_file(path: Path) -> str:
 
 # ---- the student edition ----
 
-# Not for students: the bugs list and its test hold the correct lines; the results are the teacher's measurements.
-WITHHELD = ("tests/plant_bugs.py", "tests/test_labs.py", "results/")
+# Not for students: the bugs list and the lab's own tests hold the correct lines, the held-out checks are the teacher's,
+# and the results quote lines of solutions (the chapters say where a result is missing).
+WITHHELD = ("tests/plant_bugs.py", "tests/test_labs.py", "tests/test_holdout.py", "tests/lab_submissions.py", "results/")
+MARKER = "LAB_EDITION"  # at the edition's root: common/__init__.py refuses code imported from anywhere else
+MARKER_TEXT = """This folder is a student edition of the course, made by `make lab`.
+Python code run here must import this folder's modules (common/__init__.py checks it).
+"""
+# What a task's code must not use: the libraries that would do its work, or a way around the checks.
+FORBIDDEN_PY = ("torch", "jax", "jaxlib", "tensorflow", "scipy", "sklearn", "importlib")
+FORBIDDEN_C = ("cblas", "cublas", "dlopen", "system(", "popen(", "#include")
 EDITION_CI = """#!/usr/bin/env bash
 # CI of the student edition (written by `make lab`): grade every task; the exit status fails on a failing task.
 set -euo pipefail
@@ -294,8 +302,10 @@ def shipped(root: Path = ROOT) -> list[str]:
     return [f for f in run.stdout.split("\0") if f and not f.startswith(WITHHELD)]
 
 
-def write_edition(out: Path, root: Path = ROOT) -> None:
-    """The student edition in `out` (replaced if there): files, stubs for the solutions, a LAB.md per level."""
+def write_edition(out: Path, root: Path = ROOT, commit: bool = True) -> None:
+    """The student edition in `out` (replaced if there): files, stubs for the solutions, chapters without outputs (they
+    would show the solutions' code), a LAB.md per level; a git repository of one commit, so that a student can diff
+    and restore."""
     if out.exists():
         shutil.rmtree(out)
     marked = {t.path for t in TASKS if t.path}
@@ -305,9 +315,58 @@ def write_edition(out: Path, root: Path = ROOT) -> None:
         shutil.copy2(root / name, target)
         if name in marked:
             target.write_text(strip_file(root / name))
+        elif name.endswith(".ipynb"):
+            target.write_text(without_outputs(root / name))
     (out / ".ci" / "run").write_text(EDITION_CI)
+    (out / MARKER).write_text(MARKER_TEXT)
     for number in sorted({t.level for t in TASKS}):
         (out / level(number).package / "LAB.md").write_text(lab_page(number, root))
+    if commit:
+        identity = ["-c", "user.name=lab", "-c", "user.email=lab@localhost", "-c", "commit.gpgsign=false"]
+        for command in (["init", "-q"], ["add", "-A"], [*identity, "commit", "-q", "-m", "The lab: the student edition"]):
+            subprocess.run(["git", *command], cwd=out, check=True, capture_output=True)
+
+
+def files_to_write() -> list[str]:
+    """The files a student writes in, each once, in the tasks' order."""
+    return list(dict.fromkeys(t.path for t in TASKS if t.path))
+
+
+def without_outputs(path: Path) -> str:
+    """A chapter with its outputs and its record of them taken out, as a student's first run will make them."""
+    notebook = json.loads(path.read_text())
+    notebook["metadata"].pop("made_from", None)
+    for cell in notebook["cells"]:
+        if cell["cell_type"] == "code":
+            cell["outputs"], cell["execution_count"] = [], None
+    return json.dumps(notebook, indent=1, ensure_ascii=False) + "\n"
+
+
+def forbidden_use(t: Task, root: Path = ROOT) -> str | None:
+    """Why a task's code is not allowed (a library that would do its work, a way around the checks), or None."""
+    if t.path is None:
+        return None
+    bodies = "".join(r.body for r in regions(t.path, root) if r.task == t.id)
+    if t.path.endswith(".py"):
+        import ast
+
+        names = set()
+        for node in ast.walk(ast.parse((root / t.path).read_text())):
+            if isinstance(node, ast.Import):
+                names |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names.add(node.module.split(".")[0])
+        names |= {w for w in FORBIDDEN_PY + ("__import__", "exec", "eval") if re.search(rf"\b{w}\b", bodies)}
+        used = sorted(names & set(FORBIDDEN_PY + ("__import__", "exec", "eval")))
+        if used:
+            return (f"{t.path} uses {', '.join(used)}: a lab task computes by hand, with NumPy (torch, SciPy and the "
+                    "like would do the task's work)")
+        return None
+    allowed = ("cublas",) if t.path == CUBLAS else ()  # level 6's tasks are calls to cuBLAS
+    used = [w for w in FORBIDDEN_C if w not in allowed and w in bodies.replace("CUBLAS_CHECK", "")]
+    if used:
+        return f"task {t.id}'s code uses {', '.join(used)}: a lab task computes with its own loops and kernels"
+    return None
 
 
 def lab_page(number: int, root: Path = ROOT) -> str:
@@ -316,8 +375,9 @@ def lab_page(number: int, root: Path = ROOT) -> str:
     mine = [t for t in TASKS if t.level == number]
     rows = "\n".join(f"| {t.id} | {_what(t, root)} | {t.checks} | {t.points} |" for t in mine)
     on_gpu = [t.id for t in mine if t.gpu]
-    gpu = (f"\nThe checks of {', '.join(on_gpu)} run on an NVIDIA GPU; where there is none, `make grade` says so "
-           "instead of grading them.\n" if on_gpu else "")
+    gpu = (f"\nThe checks of {', '.join(on_gpu)} run on an NVIDIA GPU; where there is none, `make grade` reports them "
+           "as \"needs GPU\" (not graded, not failed). Without a GPU of your own, grade_on_gpu.ipynb runs them on a "
+           "hosted GPU.\n" if on_gpu else "")
     return f"""# Lab {number}: {lv.title}
 
 Write each function below between its `BEGIN LAB` and `END LAB` markers, in place of the stub that fails with
@@ -328,6 +388,11 @@ The comment or docstring above each function says what it computes, with the sha
     make grade TASK={mine[0].id}           # one task; add ARGS=-v to see each check that fails, and why
     make grade LEVEL={number}             # the whole level: the table, and grade.json
 {gpu}
+The first `make grade` sets up `.venv` in this folder (PyTorch, NumPy, cffi, pytest, Jupyter from the package index:
+about 2 GB and a few minutes, once). Open the chapters with `make notebooks`, which uses the same environment: a
+chapter runs your code. If you change a file and want it back, `git checkout <file>` (the edition is a git
+repository) restores the version you were given.
+
 | task | write | checked | points |
 |---|---|---|---|
 {rows}
@@ -352,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="only list the files a student writes in (to copy from a submission into a fresh edition)")
     args = p.parse_args(argv)
     if args.files:
-        print("\n".join(dict.fromkeys(t.path for t in TASKS if t.path)))
+        print("\n".join(files_to_write()))
         return 0
     out = Path(args.out).resolve()
     if out == ROOT or ROOT.is_relative_to(out):

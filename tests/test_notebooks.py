@@ -18,9 +18,12 @@ import pytest
 
 from common import book
 from common.chapter import SCREEN_WIDTH, c_function
+from common.lab import MARKER
 from common.levels import ROOT, gpu_available
 
 MAX_KIB = 1536  # a chapter with its figures; PNGs at screen resolution keep each well under this
+# The student edition (make lab) ships its chapters without outputs: they would show the solutions' code.
+EDITION = "the student edition ships its chapters without outputs (a student's own run makes them)"
 
 
 def chapter_params() -> list:
@@ -46,6 +49,8 @@ def test_chapter_runs(path: Path):
 
 @pytest.mark.parametrize("path", chapter_params())
 def test_chapter_outputs_are_current(path: Path):
+    if (ROOT / MARKER).exists():
+        pytest.skip(EDITION)
     why = book.stale(path)
     where = "a GPU machine" if book.needs_gpu(path) else "this machine"
     assert not why, f"{path.relative_to(ROOT)}'s committed outputs are stale ({'; '.join(why)}): run `make chapters` " \
@@ -55,6 +60,8 @@ def test_chapter_outputs_are_current(path: Path):
 @pytest.mark.parametrize("path", chapter_params())
 def test_chapter_is_committed_readable(path: Path):
     """Executed in one go, top to bottom, without errors; small enough to open anywhere; figures at screen size."""
+    if (ROOT / MARKER).exists():
+        pytest.skip(EDITION)
     notebook = json.loads(path.read_text())
     assert notebook["metadata"]["kernelspec"]["name"] == "python3", "the tests run chapters with the python3 kernel"
     code = [c for c in notebook["cells"] if c["cell_type"] == "code"]

@@ -16,6 +16,7 @@ exceed it, and each classic bug exceeds it by orders of magnitude.
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import subprocess
@@ -26,16 +27,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common import lab
+from common import lab, labnative, sandbox
 from common.levels import ROOT, level
 from common.model import N_IN, N_OUT, param_shapes
-from common.native import NativeError
 from common.sgemm import sgemm
 from common.verify import LOSS_ATOL, LOSS_RTOL, U, gamma
 from conftest import require
 
-LIBRARIES = {4: "lab_level4.c", 5: "lab_level5.cu", 7: "lab_level7.cu"}  # in tests/, built into build/*.so
-C_TYPES = {np.float32: "float[]", np.int32: "int[]"}
 # Odd sizes (B, n_in, n_out): one of everything, all different, square (where only values show a transpose), and
 # the first layer on MNIST rows.
 SIZES = [(1, 1, 1), (13, 37, 5), (3, 5, 5), (8, N_IN, 37)]
@@ -54,120 +52,32 @@ def task_params(name: str) -> list:
     return params
 
 
-def library(number: int, config):
-    """The lab library of level 4, 5 or 7 (tests/lab_level*.c[u], built into build/): (ffi, lib); skips where it
-    cannot run or is not built."""
+def library(number: int, config) -> None:
+    """Skip where the lab library of level 4, 5 or 7 (tests/lab_level*.c[u], built into build/) cannot run or is not
+    built (in a teacher's grade, the submission's worker builds it)."""
     if number > 4:
         require(level(number), "cuda", config)
     path = ROOT / "build" / f"lab_level{number}.so"
-    if not path.exists():
+    if not sandbox.submission() and not path.exists():
         pytest.skip(f"{path.relative_to(ROOT)} is not built: run `make {path.relative_to(ROOT)}` (make grade does)")
-    return load(number)
 
 
-def load(number: int):
-    """(ffi, lib) of build/lab_level<number>.so, declared from its source's cdef markers."""
-    from cffi import FFI
-
-    path = ROOT / "build" / f"lab_level{number}.so"
-    ffi = FFI()
-    source = (ROOT / "tests" / LIBRARIES[number]).read_text()
-    ffi.cdef(re.search(r"/\* cdef-begin \*/(.*)/\* cdef-end \*/", source, re.S).group(1)
-             + "const char *mlp_last_error(void);")
-    return ffi, ffi.dlopen(str(path))
-
-
-class NativeLayers:
-    """A native level's layer functions, one call each through its lab library, with level 3's signatures."""
-
-    def __init__(self, ffi, lib):
-        self.ffi, self.lib = ffi, lib
-
-    def _call(self, function: str, *args) -> None:
-        """Call lab_<function> with arrays passed as pointers; raise NativeError with the library's message."""
-        pointers = [self.ffi.from_buffer(C_TYPES[a.dtype.type], a) if isinstance(a, np.ndarray) else a for a in args]
-        if getattr(self.lib, f"lab_{function}")(*pointers):
-            raise NativeError(self.ffi.string(self.lib.mlp_last_error()).decode())
-
-    def linear_backward_into(self, dout, x, w, dx, dw, *extra):
-        """The wrapper's arguments: outputs first, then inputs and sizes (the level's own order)."""
-        B, n_out = dout.shape
-        self._call("linear_backward", dx if dx is not None else self.ffi.NULL, dw, *extra, dout, x, w, B, x.shape[1],
-                   n_out)
-
-    def relu_forward(self, h):
-        a = np.empty_like(h)
-        self._call("relu_forward", a, h, h.size)
-        return a
-
-    def relu_backward(self, da, h):
-        dh = np.empty_like(da)
-        self._call("relu_backward", dh, da, h, da.size)
-        return dh
-
-    def softmax_xent_forward(self, logits, y):
-        loss, probs = np.empty(1, np.float32), np.empty_like(logits)
-        self._call("softmax_xent_forward", loss, probs, logits, y.astype(np.int32), *logits.shape)
-        return loss[0], probs
-
-    def softmax_xent_backward(self, probs, y):
-        dlogits = np.empty_like(probs)
-        self._call("softmax_xent_backward", dlogits, probs, y.astype(np.int32), *probs.shape)
-        return dlogits
-
-    def sgd_update(self, params, grads, lr):
-        for name in grads:
-            self._call("sgd_update", params[name], grads[name], lr, grads[name].size)
-
-
-class Level4Layers(NativeLayers):
-    """Level 4 (tests/lab_level4.c): the linear layer adds its bias itself."""
-
-    def linear_forward(self, x, w, b):
-        out = np.empty((len(x), len(w)), np.float32)
-        self._call("linear_forward", out, x, w, b, len(x), x.shape[1], len(w))
-        return out
-
-    def linear_backward(self, dout, x, w):
-        dx = np.empty_like(x) if w is not None else None
-        dw, db = np.empty((dout.shape[1], x.shape[1]), np.float32), np.empty(dout.shape[1], np.float32)
-        self.linear_backward_into(dout, x, w if w is not None else np.empty_like(dw), dx, dw, db)
-        return dx, dw, db
-
-
-class Level5Layers(NativeLayers):
-    """Level 5 (tests/lab_level5.cu): the products only; the bias has kernels of its own (bias_forward, _backward)."""
-
-    def linear_forward(self, x, w, b):
-        out = np.empty((len(x), len(w)), np.float32)
-        self._call("linear_forward", out, x, w, len(x), x.shape[1], len(w))
-        return out + b  # added here: bias_forward is a task of its own
-
-    def linear_backward(self, dout, x, w):
-        dx = np.empty_like(x) if w is not None else None
-        dw = np.empty((dout.shape[1], x.shape[1]), np.float32)
-        self.linear_backward_into(dout, x, w if w is not None else np.empty_like(dw), dx, dw)
-        return dx, dw, None  # db is bias_backward's
-
-    def bias_forward(self, out, b):
-        out = out.copy()
-        self._call("bias_forward", out, b, *out.shape)
-        return out
-
-    def bias_backward(self, dout):
-        db = np.empty(dout.shape[1], np.float32)
-        self._call("bias_backward", db, dout, *dout.shape)
-        return db
+def native(function: str, *args, gpu: bool):
+    """common.labnative's function: run here, or in a teacher's grade by the submission's sandboxed worker."""
+    if sandbox.submission():
+        return sandbox.remote_function("common.labnative", function, gpu=gpu)(*args)
+    return getattr(labnative, function)(*args)
 
 
 @pytest.fixture
 def layers(task, request):
     """The layer functions of the task's level: level 3's module, or a native level's through its lab library."""
     if task.level == 3:
-        from level3_numpy import mlp
-
-        return mlp
-    return {4: Level4Layers, 5: Level5Layers}[task.level](*library(task.level, request.config))
+        return importlib.import_module(task.path.removesuffix(".py").replace("/", "."))
+    library(task.level, request.config)  # skips where it cannot run
+    if sandbox.submission():
+        return sandbox.RemoteObject("common.labnative:layers", task.level, gpu=task.gpu)
+    return labnative.layers(task.level)
 
 
 @pytest.fixture(scope="module")
@@ -190,19 +100,51 @@ def f64(a) -> np.ndarray:
     return np.asarray(a, dtype=np.float64)
 
 
-def assert_within(got, exact: np.ndarray, bound: np.ndarray, what: str) -> None:
-    """got is float32, exact's shape, and within bound of it, entry by entry; else say where and by how much."""
+# The classic bugs the checks recognise from the numbers, each with where the chapters explain it.
+BY_B = ("{factor:.0f} times too large, and the batch is {factor:.0f}: did you divide by the batch size? (level 2's "
+        "chapter, section 5, 'Vectorized batches, and where 1/B comes from')")
+NO_BIAS = "the bias is missing: it is what is left (level 2's chapter, section 3, 'Linear')"
+TRANSPOSED = "this is the transpose of the answer (level 2's chapter, section 4, 'Transposes and shapes')"
+MASK_FROM_DA = ("the ReLU's mask comes from its output gradient da; it must come from h, the forward's input (level 2's "
+                "chapter, section 4, 'The ReLU mask from the wrong tensor')")
+MASK_AT_ZERO = ("the gradient passes where h is exactly 0; PyTorch's slope there is 0: use h > 0 (level 2's chapter, "
+                "section 3, 'ReLU')")
+OVERFLOW = ("NaN or infinity from finite logits: exp() overflowed. Subtract each row's max first (level 2's chapter, "
+            "section 4, 'Softmax without subtracting the max')")
+WRONG_AXIS = "summed over the wrong axis: the sum runs over the batch's rows (level 2's chapter, section 3, 'Linear')"
+
+
+def assert_within(got, exact: np.ndarray, bound: np.ndarray, what: str, suspects: dict | None = None) -> None:
+    """got is float32, exact's shape, and within bound of it, entry by entry; else say where and by how much, and
+    which classic bug it looks like: the first of `suspects` (a hint -> what that bug computes) that got matches."""
     assert got is not None, f"{what} is None"
     got = np.asarray(got)
+    hint = next((h for h, value in (suspects or {}).items() if value is not None and matches(got, value, bound)), None)
     assert got.dtype == np.float32, f"{what} is {got.dtype}, not float32"
-    assert got.shape == exact.shape, f"{what} has shape {got.shape}, not {exact.shape}"
+    assert got.shape == exact.shape, f"{what} has shape {got.shape}, not {exact.shape}" + (f": {hint}" if hint else "")
     err = np.abs(f64(got) - exact)
     bound = np.broadcast_to(bound, exact.shape) + np.finfo(np.float32).tiny
     bad = ~(err <= bound)  # NaN counts as bad
-    if bad.any():
-        i = tuple(int(j) for j in np.argwhere(bad)[0])
-        raise AssertionError(f"{what}{list(i)} = {got[i]:.8g}, exact {exact[i]:.8g}: off by {err[i]:.2g}, "
-                             f"allowed {bound[i]:.2g} ({int(bad.sum())} of {bad.size} entries off)")
+    if not bad.any():
+        return
+    if hint is None and not np.isfinite(got).all():
+        hint = "NaN or infinity in the result"
+    i = tuple(int(j) for j in np.argwhere(bad)[0])
+    detail = (f"{what}{list(i)} = {got[i]:.8g}, exact {exact[i]:.8g}: off by {err[i]:.2g}, allowed {bound[i]:.2g} "
+              f"({int(bad.sum())} of {bad.size} entries off)")
+    raise AssertionError(f"{hint}. {detail}" if hint else detail)
+
+
+def matches(got: np.ndarray, value, bound) -> bool:
+    """Whether got is what a suspected bug computes (within four times the check's own tolerance, or 1e-6)."""
+    value = np.asarray(value, dtype=np.float64)
+    if got.shape != value.shape:
+        return False
+    try:
+        tolerance = 4 * np.broadcast_to(bound, value.shape) + 1e-6 * np.abs(value)
+    except ValueError:  # a bound of the right answer's shape, and a suspect of another (a transpose)
+        tolerance = 1e-5 * np.abs(value).max()
+    return bool(np.all(np.abs(f64(got) - value) <= tolerance + np.finfo(np.float32).tiny))
 
 
 # ---- the linear layer ----
@@ -214,7 +156,8 @@ def test_linear_forward(layers, images, B, n_in, n_out):
     x, w, b = inputs(B, n_in, images), normal(n_out, n_in, scale=0.1), normal(n_out, seed=2)
     out = layers.linear_forward(x, w, b)
     exact = f64(x) @ f64(w).T + b
-    assert_within(out, exact, gamma(n_in + 1) * (np.abs(f64(x)) @ np.abs(f64(w)).T + np.abs(b)), "out")
+    suspects = {NO_BIAS: f64(x) @ f64(w).T, TRANSPOSED: f64(x) @ f64(w) + b if n_in == n_out else None}
+    assert_within(out, exact, gamma(n_in + 1) * (np.abs(f64(x)) @ np.abs(f64(w)).T + np.abs(b)), "out", suspects)
 
 
 @pytest.mark.parametrize("B, n_in, n_out", SIZES, ids=SIZE_IDS)
@@ -223,10 +166,11 @@ def test_linear_backward(layers, images, B, n_in, n_out):
     x, w, dout = inputs(B, n_in, images), normal(n_out, n_in, scale=0.1), normal(B, n_out, seed=3)
     dx, dw, db = layers.linear_backward(dout, x, w)
     ax, aw, adout = np.abs(f64(x)), np.abs(f64(w)), np.abs(f64(dout))
-    assert_within(dw, f64(dout).T @ f64(x), gamma(B) * adout.T @ ax, "dw")
+    exact_dw = f64(dout).T @ f64(x)
+    assert_within(dw, exact_dw, gamma(B) * adout.T @ ax, "dw", {TRANSPOSED: exact_dw.T})
     assert_within(dx, f64(dout) @ f64(w), gamma(n_out) * adout @ aw, "dx")
     if db is not None:  # level 5's bias has a task of its own
-        assert_within(db, f64(dout).sum(axis=0), gamma(B) * adout.sum(axis=0), "db")
+        assert_within(db, f64(dout).sum(axis=0), gamma(B) * adout.sum(axis=0), "db", {WRONG_AXIS: f64(dout).sum(axis=1)})
     _, dw_alone, _ = layers.linear_backward(dout, x, None)  # the first layer: no dx, the same dw
     np.testing.assert_array_equal(dw_alone, dw, err_msg="dw without dx differs from dw with it")
 
@@ -241,7 +185,8 @@ def test_bias_forward(layers):
 @pytest.mark.parametrize("task", task_params("bias_backward"))
 def test_bias_backward(layers, B, n):
     dout = normal(B, n)
-    assert_within(layers.bias_backward(dout), f64(dout).sum(axis=0), gamma(B) * np.abs(f64(dout)).sum(axis=0), "db")
+    assert_within(layers.bias_backward(dout), f64(dout).sum(axis=0), gamma(B) * np.abs(f64(dout)).sum(axis=0), "db",
+                  {WRONG_AXIS: f64(dout).sum(axis=1)})
 
 
 # ---- ReLU ----
@@ -263,7 +208,8 @@ def test_relu_forward(layers):
 @pytest.mark.parametrize("task", task_params("relu_backward"))
 def test_relu_backward(layers):
     h, da = pre_activations(13, 37), normal(13, 37, seed=6)  # da of both signs: a mask from da shows
-    assert_within(layers.relu_backward(da, h), f64(np.where(h > 0, da, 0)), 0, "dh (da where h > 0, else 0)")
+    suspects = {MASK_FROM_DA: f64(np.where(da > 0, da, 0)), MASK_AT_ZERO: f64(np.where(h >= 0, da, 0))}
+    assert_within(layers.relu_backward(da, h), f64(np.where(h > 0, da, 0)), 0, "dh (da where h > 0, else 0)", suspects)
 
 
 # ---- softmax cross-entropy ----
@@ -282,9 +228,11 @@ def test_softmax_xent_forward(layers, B, n_out, scale):
     logits, y = normal(B, n_out, seed=7, scale=scale), np.arange(B) % n_out
     loss, probs = layers.softmax_xent_forward(logits, y)
     exact_loss, exact_probs = exact_softmax_xent(logits, y)
+    assert np.isfinite(loss) and np.isfinite(probs).all(), OVERFLOW
     below_max = f64(logits).max(axis=1, keepdims=True) - logits
     # The loss: the lockstep rule of common/verify.py (the rounding of a log-sum-exp and a logit, a few units each).
-    assert abs(float(loss) - exact_loss) <= LOSS_RTOL * exact_loss + LOSS_ATOL, f"loss {loss}, exact {exact_loss}"
+    summed = f" ({BY_B.format(factor=B)})" if B > 1 and abs(float(loss) - B * exact_loss) <= 1e-4 * B * exact_loss else ""
+    assert abs(float(loss) - exact_loss) <= LOSS_RTOL * exact_loss + LOSS_ATOL, f"loss {loss}, exact {exact_loss}{summed}"
     # Each probability: rounding z - max moves exp() by |z - max| u relatively, and exp, the sum of n_out terms and
     # the division add a few u more (4u per unit: exp() is within 2 ulp, on a GPU too).
     assert_within(probs, exact_probs, 4 * U * (below_max + n_out + 4) * exact_probs, "probs")
@@ -298,7 +246,7 @@ def test_softmax_xent_backward(layers, B):
     dlogits = layers.softmax_xent_backward(probs, y)
     exact = (f64(probs) - np.eye(N_OUT)[y]) / B
     # p - onehot and the division by B, each rounded once: 2u of the result.
-    assert_within(dlogits, exact, 2 * U * np.abs(exact), "dlogits")
+    assert_within(dlogits, exact, 2 * U * np.abs(exact), "dlogits", {BY_B.format(factor=B): B * exact} if B > 1 else {})
 
 
 # ---- SGD ----
@@ -313,7 +261,12 @@ def test_sgd_update(layers):
     for name in params:
         step = f64(lr) * grads[name]
         # lr * dp and the subtraction, each rounded once. A learning rate 0.2% off is 2e-4 here, 1,000x this bound.
-        assert_within(params[name], before[name] - step, 2 * U * (np.abs(f64(before[name])) + np.abs(step)), name)
+        taken = f64(before[name]) - params[name]  # the step the update took, against lr * dp
+        ratio = float(np.median(taken / np.where(step == 0, np.nan, step))) if (step != 0).any() else 1.0
+        suspects = {f"each parameter moved {ratio:.4g} times lr * grad: is the learning rate changed, or the sign? "
+                    "(level 1's chapter, section 3, 'Training')": f64(before[name]) - ratio * step} if ratio != 1 else {}
+        assert_within(params[name], before[name] - step, 2 * U * (np.abs(f64(before[name])) + np.abs(step)), name,
+                      suspects)
 
 
 # ---- level 4's memory, under AddressSanitizer ----
@@ -323,12 +276,16 @@ def test_sgd_update(layers):
 @pytest.mark.parametrize("part", [pytest.param("batch", marks=pytest.mark.task("4.8"), id="4.8"),
                                   pytest.param("model", marks=pytest.mark.task("4.9"), id="4.9")])
 def test_memory_under_address_sanitizer(part):
-    program = ROOT / "build" / "lab_memory"
-    if not program.exists():
-        pytest.skip("build/lab_memory is not built: run `make build/lab_memory` (make grade does)")
-    run = subprocess.run([str(program), part], capture_output=True, text=True, timeout=120)
-    report = [line for line in (run.stdout + run.stderr).splitlines() if "ERROR" in line or "SUMMARY" in line]
-    assert run.returncode == 0, "\n".join(report[:2] or run.stdout.splitlines()[:3])
+    if sandbox.submission():  # the program is the submission's: it runs in its sandbox
+        returncode, output = sandbox.run(["build/lab_memory", part], timeout=120)
+    else:
+        program = ROOT / "build" / "lab_memory"
+        if not program.exists():
+            pytest.skip("build/lab_memory is not built: run `make build/lab_memory` (make grade does)")
+        run = subprocess.run([str(program), part], capture_output=True, text=True, timeout=120)
+        returncode, output = run.returncode, run.stdout + run.stderr
+    report = [line for line in output.splitlines() if "ERROR" in line or "SUMMARY" in line]
+    assert returncode == 0, "\n".join(report[:2] or output.splitlines()[:3])
 
 
 # ---- level 6: the three products through cuBLAS's column-major rules ----
@@ -363,7 +320,7 @@ def sgemm_call(region: str) -> list[str]:
 def test_cublas_layout(task):
     """The call as written, its sizes, leading dimensions and operands read from the source, run through
     common/sgemm.py on flat row-major arrays: it must give the row-major product, whatever the output held before."""
-    region = next(r for r in lab.regions(task.path) if r.task == task.id)
+    region = next(r for r in lab.regions(task.path, sandbox.submission() or ROOT) if r.task == task.id)
     args = sgemm_call(region.body)
     assert len(args) == 14, f"cublasSgemm takes 14 arguments, the call has {len(args)}"
     arrays = {"x": normal(B6, N_IN6), "w": normal(N_OUT6, N_IN6, seed=1), "dout": normal(B6, N_OUT6, seed=2)}
@@ -391,40 +348,43 @@ def evaluate(expression: str, names: dict):
 
 
 # A thousand rounds of a working barrier take milliseconds. One that never opens keeps its kernel spinning, and
-# nothing but the end of its process stops a running kernel: so the rounds run in a child process, ended after this.
+# nothing but the end of its process stops a running kernel: so the rounds run in a process of their own (a child
+# here; in a teacher's grade, the submission's worker), ended after this.
 BARRIER_DEADLINE_S = 30
 BARRIER_CHILD = """
-from test_tasks import load
-ffi, lib = load(7)
-late, launched = ffi.new("int *"), ffi.new("int *")
-status = lib.lab_grid_barrier(1024, 1000, late, launched)
-print(status, late[0], launched[0], ffi.string(lib.mlp_last_error()).decode())
+from common.labnative import grid_barrier
+print(*grid_barrier(1024, 1000))
 """
 
 
 @pytest.mark.parametrize("task", task_params("grid_barrier"))
 def test_grid_barrier(task, request):
     library(7, request.config)  # skips where level 7 cannot run
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
-    try:
-        run = subprocess.run([sys.executable, "-c", BARRIER_CHILD], cwd=ROOT, env=env, capture_output=True, text=True,
-                             timeout=BARRIER_DEADLINE_S)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the barrier never opened: 1,000 rounds still ran after {BARRIER_DEADLINE_S} s (a block that "
-                    f"waits for a generation that never comes?); the process running them was ended")
-    assert run.returncode == 0, f"the barrier's process failed: {run.stderr.strip().splitlines()[-1:]}"
-    status, late, launched, message = (run.stdout.strip().split(maxsplit=3) + [""])[:4]
-    assert status == "0", message
-    assert late == "0", f"{late} reads of {launched} blocks' slots came before the block reached the barrier"
+    if sandbox.submission():
+        rounds = sandbox.remote_function("common.labnative", "grid_barrier", gpu=True, timeout=BARRIER_DEADLINE_S)
+        try:
+            status, late, launched, message = rounds(1024, 1000)
+        except sandbox.WorkerError as e:
+            pytest.fail(f"the barrier's process failed: {e}")
+    else:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        try:
+            run = subprocess.run([sys.executable, "-c", BARRIER_CHILD], cwd=ROOT, env=env, capture_output=True,
+                                 text=True, timeout=BARRIER_DEADLINE_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the barrier never opened: 1,000 rounds still ran after {BARRIER_DEADLINE_S} s (a block that "
+                        f"waits for a generation that never comes?); the process running them was ended")
+        assert run.returncode == 0, f"the barrier's process failed: {run.stderr.strip().splitlines()[-1:]}"
+        status, late, launched, message = (run.stdout.strip().split(maxsplit=3) + [""])[:4]
+    assert int(status) == 0, message
+    assert int(late) == 0, f"{late} reads of {launched} blocks' slots came before the block reached the barrier"
 
 
 @pytest.mark.parametrize("hidden, units", [(256, 8), (37, 8), (1, 1), (1024, 8), (100, 16), (4000, 16)])
 @pytest.mark.parametrize("task", task_params("owned_units"))
 def test_owned_units(task, request, hidden, units):
-    ffi, lib = library(7, request.config)
-    blocks = -(-hidden // units)
-    j0, owned = np.empty(blocks, np.int32), np.empty(blocks, np.int32)
-    assert lib.lab_owned_units(hidden, units, ffi.from_buffer("int[]", j0), ffi.from_buffer("int[]", owned)) == 0
+    library(7, request.config)
+    j0, owned = native("owned_units", hidden, units, gpu=True)
     assert (owned >= 0).all() and (owned <= units).all(), f"a block owns {owned.min()}..{owned.max()} units"
     units_seen = np.concatenate([np.arange(j, j + n) for j, n in zip(j0, owned)])
     np.testing.assert_array_equal(np.sort(units_seen), np.arange(hidden), err_msg="every unit needs exactly one owner")
