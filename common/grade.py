@@ -170,8 +170,10 @@ def check(results: dict[str, Result], verbose: bool, pytest_args: list[str]) -> 
     recorder = Recorder(results)
     if any(r.status == "run" for r in results.values()):
         files = [str(ROOT / f) for f in TEST_FILES if (ROOT / f).exists()]
-        args = files + ["-m", "task", "-p", "no:cacheprovider",
-                                                      "--continue-on-collection-errors", *pytest_args]
+        # The checks use none of the plugins that Jupyter's and anyio's packages register (nbmake alone takes seconds
+        # to load, once per grade: a gradebook pays it per student).
+        args = files + ["-m", "task", "-p", "no:cacheprovider", "-p", "no:nbmake", "-p", "no:anyio",
+                        "--continue-on-collection-errors", *pytest_args]
         output = contextlib.nullcontext() if verbose else contextlib.redirect_stdout(io.StringIO())
         with output:
             pytest.main(args + (["-rfs", "--tb=short"] if verbose else ["-q", "--tb=no"]), plugins=[recorder])

@@ -13,7 +13,6 @@ In the student's own `make grade` (no --submission) nothing here is used: the ch
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import resource
@@ -43,17 +42,24 @@ class WorkerError(RuntimeError):
     """The submission's code raised, crashed, hung, or answered something that is not an answer."""
 
 
-# ---- the codec: JSON for the structure, .npz (no pickles) for the arrays ----
+# ---- the codec: JSON for the structure, the arrays' raw bytes after it (no pickles) ----
 
 
 def encode(message: Any) -> bytes:
     """A message of dicts, lists, tuples, numbers, strings, None and numeric arrays, as bytes that hold no code."""
     arrays: list[np.ndarray] = []
+    offset = 0  # of the next array in the body
 
     def walk(value):
+        nonlocal offset
         if isinstance(value, np.ndarray | np.generic):
-            arrays.append(np.asarray(value))
-            return {"__array__": len(arrays) - 1, "scalar": isinstance(value, np.generic)}
+            array = np.asarray(value)  # tobytes() below writes it in C order, whatever its strides
+            if array.dtype.kind not in ARRAY_KINDS:
+                raise TypeError(f"cannot send an array of {array.dtype}")
+            arrays.append(array)
+            offset += array.nbytes
+            return {"__array__": offset - array.nbytes, "dtype": array.dtype.str, "shape": list(array.shape),
+                    "scalar": isinstance(value, np.generic)}
         if isinstance(value, dict):
             return {"__dict__": [[str(k), walk(v)] for k, v in value.items()]}
         if isinstance(value, list | tuple):
@@ -63,22 +69,31 @@ def encode(message: Any) -> bytes:
         raise TypeError(f"cannot send a {type(value).__name__}")
 
     head = json.dumps(walk(message)).encode()
-    body = io.BytesIO()
-    np.savez(body, *arrays)
-    return struct.pack("<Q", len(head)) + head + body.getvalue()
+    return struct.pack("<Q", len(head)) + head + b"".join(a.tobytes() for a in arrays)
 
 
 def decode(data: bytes) -> Any:
-    """A message from encode(); refuses anything else (object arrays included: np.load never unpickles here)."""
+    """A message from encode(); refuses anything else (an array of objects included: nothing is ever unpickled)."""
     (n,) = struct.unpack("<Q", data[:8])
-    arrays = np.load(io.BytesIO(data[8 + n :]), allow_pickle=False)
+    body = memoryview(data)[8 + n :]
+
+    def array(value: dict) -> np.ndarray:
+        try:
+            offset = int(value["__array__"])
+            dtype, shape = np.dtype(value["dtype"]), tuple(int(d) for d in value["shape"])
+        except (TypeError, ValueError, KeyError):
+            raise WorkerError("an answer held an array of no numeric type") from None
+        if dtype.kind not in ARRAY_KINDS or dtype.hasobject or any(d < 0 for d in shape):
+            raise WorkerError(f"an answer held an array of {dtype}")
+        size = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+        if offset < 0 or offset + size > len(body):
+            raise WorkerError("an answer's array lies outside it")
+        return np.frombuffer(body, dtype, offset=offset, count=size // dtype.itemsize).reshape(shape).copy()
 
     def build(value):
         if isinstance(value, dict) and "__array__" in value:
-            array = arrays[f"arr_{int(value['__array__'])}"]
-            if array.dtype.kind not in ARRAY_KINDS:
-                raise WorkerError(f"an answer held an array of {array.dtype}")
-            return array[()] if value.get("scalar") else array
+            result = array(value)
+            return result[()] if value.get("scalar") else result
         if isinstance(value, dict) and "__dict__" in value:
             return {str(k): build(v) for k, v in value["__dict__"]}
         if isinstance(value, dict) and "__list__" in value:

@@ -344,6 +344,27 @@ def test_the_hosted_gpu_notebook_runs_real_commands():
 # ---- the teacher's gradebook ----
 
 
+def test_the_workers_answers_carry_numbers_and_never_code():
+    """The codec between the grader and a submission's worker: arrays, numbers and text round-trip exactly; an
+    answer that claims an array of objects, of records, or bytes it does not hold is refused."""
+    import struct
+
+    from common.sandbox import WorkerError, decode, encode
+
+    message = {"out": np.arange(6, dtype=np.float32).reshape(2, 3).T, "loss": np.float32(0.25),
+               "rest": (np.zeros((0, 3)), "text", None, 1.5, [np.int32(7)])}
+    back = decode(encode(message))
+    assert back["out"].dtype == np.float32 and np.array_equal(back["out"], message["out"]) and back["out"].flags.writeable
+    assert back["loss"] == np.float32(0.25) and back["rest"][1:4] == ("text", None, 1.5) and back["rest"][4] == [7]
+    for forged in ({"dtype": "O", "shape": [1]}, {"dtype": "i4,f8", "shape": [1]}, {"dtype": "<f4", "shape": [99]},
+                   {"dtype": "<f4", "shape": [-1]}, {"dtype": "nonsense", "shape": [1]}):
+        head = json.dumps({"__array__": 0, **forged}).encode()
+        with pytest.raises(WorkerError):
+            decode(struct.pack("<Q", len(head)) + head + b"\0" * 8)
+    with pytest.raises(TypeError):
+        encode({"code": print})
+
+
 @pytest.fixture(scope="module")
 def gradebook(tmp_path_factory):
     """The gradebook of a small class of level 3 (tests/lab_submissions.py): correct, stubbed, a planted bug, and
