@@ -25,7 +25,6 @@ import io
 import json
 import os
 import re
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,11 +92,7 @@ def build(targets: tuple[str, ...], gpu: bool) -> str | None:
     error."""
     if sandbox.submission():
         return sandbox.build(targets, gpu)
-    run = subprocess.run(["make", "-s", *targets, f"PYTHON={sys.executable}"], cwd=ROOT, capture_output=True, text=True)
-    if run.returncode == 0:
-        return None
-    lines = (run.stderr + run.stdout).splitlines()
-    return next((line.strip() for line in lines if "error" in line), lines[-1] if lines else "make failed")
+    return lab.make(targets)
 
 
 class Recorder:

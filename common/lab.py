@@ -276,7 +276,9 @@ MARKER_TEXT = """This folder is a student edition of the course, made by `make l
 Python code run here must import this folder's modules (common/__init__.py checks it).
 """
 # What a task's code must not use: the libraries that would do its work, or a way around the checks.
-FORBIDDEN_PY = ("torch", "jax", "jaxlib", "tensorflow", "scipy", "sklearn", "importlib")
+LIBRARIES = ("torch", "jax", "jaxlib", "tensorflow", "scipy", "sklearn")  # they would do a task's work; the worker
+# (common/worker.py) cannot import them either
+FORBIDDEN_PY = (*LIBRARIES, "importlib", "__import__", "exec", "eval")
 FORBIDDEN_C = ("cblas", "cublas", "dlopen", "system(", "popen(", "#include")
 EDITION_CI = """#!/usr/bin/env bash
 # CI of the student edition (written by `make lab`): grade every task; the exit status fails on a failing task.
@@ -327,6 +329,15 @@ def write_edition(out: Path, root: Path = ROOT, commit: bool = True) -> None:
             subprocess.run(["git", *command], cwd=out, check=True, capture_output=True)
 
 
+def make(targets: list[str] | tuple[str, ...], root: Path = ROOT) -> str | None:
+    """`make -s targets` in root with this interpreter; None when it builds, else the first error."""
+    run = subprocess.run(["make", "-s", *targets, f"PYTHON={sys.executable}"], cwd=root, capture_output=True, text=True)
+    if run.returncode == 0:
+        return None
+    lines = (run.stderr + run.stdout).splitlines()
+    return next((line.strip() for line in lines if "error" in line), lines[-1] if lines else "make failed")
+
+
 def files_to_write() -> list[str]:
     """The files a student writes in, each once, in the tasks' order."""
     return list(dict.fromkeys(t.path for t in TASKS if t.path))
@@ -356,8 +367,8 @@ def forbidden_use(t: Task, root: Path = ROOT) -> str | None:
                 names |= {a.name.split(".")[0] for a in node.names}
             elif isinstance(node, ast.ImportFrom) and node.module:
                 names.add(node.module.split(".")[0])
-        names |= {w for w in FORBIDDEN_PY + ("__import__", "exec", "eval") if re.search(rf"\b{w}\b", bodies)}
-        used = sorted(names & set(FORBIDDEN_PY + ("__import__", "exec", "eval")))
+        names |= {w for w in FORBIDDEN_PY if re.search(rf"\b{w}\b", bodies)}
+        used = sorted(names & set(FORBIDDEN_PY))
         if used:
             return (f"{t.path} uses {', '.join(used)}: a lab task computes by hand, with NumPy (torch, SciPy and the "
                     "like would do the task's work)")

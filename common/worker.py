@@ -14,18 +14,19 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import os
-import subprocess
 import sys
 import traceback
+from pathlib import Path
 
-FORBIDDEN = ("torch", "jax", "jaxlib", "tensorflow", "scipy", "sklearn")
+from common.lab import LIBRARIES, make
+
 
 
 class NoLibraries(importlib.abc.MetaPathFinder):
     """Refuses the libraries a lab task must not call, with the reason."""
 
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in FORBIDDEN:
+        if name.split(".")[0] in LIBRARIES:
             raise ImportError(f"a lab task computes by hand: {name.split('.')[0]} is not available to it")
         return None
 
@@ -58,12 +59,7 @@ def handle(request: dict, objects: dict[int, object]):
     if op == "method":
         return called(getattr(objects[request["handle"]], request["name"]), request)
     if op == "build":
-        run = subprocess.run(["make", "-s", *request["targets"], f"PYTHON={sys.executable}"], capture_output=True,
-                             text=True)
-        if run.returncode == 0:
-            return None
-        lines = (run.stderr + run.stdout).splitlines()
-        return next((line.strip() for line in lines if "error" in line), lines[-1] if lines else "make failed")
+        return make(request["targets"], Path.cwd())
     raise ValueError(f"unknown request {op!r}")
 
 
