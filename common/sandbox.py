@@ -201,7 +201,8 @@ class Worker:
         back where they were, the Python read-only."""
         hidden = [ROOT, *(Path(p) for p in os.environ.get(HIDE_ENV, "").split(os.pathsep) if p)]
         hidden = [h.resolve() for h in hidden if h.is_dir()]
-        keep = [(Path(sys.prefix).resolve(), "ro"), (self.folder.resolve(), "rw")]
+        # The interpreter as the worker will name it (sys.executable): a virtual environment may be a link.
+        keep = [(Path(sys.prefix).absolute(), "ro"), (self.folder.resolve(), "rw")]
         keep = [(path, mode) for path, mode in keep if any(path.is_relative_to(h) for h in hidden)]
         saved = [Path(tempfile.mkdtemp(prefix="keep-", dir=self._spare)) for _ in keep]
         lines = ["set -e"]
