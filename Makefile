@@ -35,8 +35,11 @@ venv: $(VENV)/.installed
 .PHONY: venv
 
 # ---- native levels ----
-level4: level4_c/libmlp.so
+level4: level4_c/libmlp.so level4_c/liblenet.so
 level4_c/libmlp.so: level4_c/mlp.c common/mlp.h common/mlp_status.h
+	$(CC) $(CFLAGS) -Icommon -shared -o $@ $< -lm
+# LeNet-5: lenet.c includes mlp.c, whose layer functions it reuses.
+level4_c/liblenet.so: level4_c/lenet.c level4_c/mlp.c common/lenet.h common/mlp.h common/mlp_status.h
 	$(CC) $(CFLAGS) -Icommon -shared -o $@ $< -lm
 
 level5: level5_cuda_naive/libmlp.so
@@ -149,4 +152,4 @@ notebooks: $(ENV) levels
 	$(VENV)/bin/jupyter lab
 
 clean:
-	rm -rf level4_c/libmlp.so level5_cuda_naive/libmlp.so level6_cublas/libmlp.so level7_fused/libmlp.so build
+	rm -rf level4_c/libmlp.so level4_c/liblenet.so level5_cuda_naive/libmlp.so level6_cublas/libmlp.so level7_fused/libmlp.so build

@@ -1,6 +1,6 @@
 """make bench: every level's speed at the chapter's settings and at larger ones, each level verified before it is timed.
 
-    python -m common.bench [--tag h100] [--presets chapter,large-b64,large-b256] [--levels 1,3,4,5,6]
+    python -m common.bench [--tag h100] [--presets chapter,large-b64,large-b256,lenet] [--levels 1,3,4,5,6]
     python -m common.bench --report          # only rewrite README.md's results block from results/*/
 
 Each preset is one run of the compare harness (common.compare), so every level is checked against
@@ -32,6 +32,7 @@ PRESETS = {
     "chapter": [],
     "large-b64": ["--train-size", "60000", "--hidden", "1024", "--batch", "64", "--epochs", "2"],
     "large-b256": ["--train-size", "60000", "--hidden", "1024", "--batch", "256", "--epochs", "3"],
+    "lenet": ["--model", "lenet"],  # LeNet-5's chapter run (common/models.py)
 }
 README = ROOT / "README.md"
 BEGIN, END = "<!-- results:begin (written by python -m common.bench --report) -->", "<!-- results:end -->"
@@ -97,8 +98,9 @@ def markdown_table(results: dict) -> str:
     where = f"{m.get('cpu', '?')}, {m.get('cpu_count', '?')} cores"
     if "gpu" in m:
         where = f"{m['gpu']} (driver {m['driver']}, CUDA {m['cuda_runtime']}); CPU levels on the host: {where}"
+    network = f"hidden {s['hidden']}" if "hidden" in s else "LeNet-5"
     lines = [
-        f"**{s['train_size']:,} images x {s['epochs']} epochs, batch {s['batch']}, hidden {s['hidden']}** - {where}; "
+        f"**{s['train_size']:,} images x {s['epochs']} epochs, batch {s['batch']}, {network}** - {where}; "
         f"data: {results['data'].rsplit(', ', 1)[0]}",
         "",
         "| implementation | train s | us/step (median epoch) | steps/s | vs level 1 CPU | vs torch eager | vs torch graph "

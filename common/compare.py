@@ -1,9 +1,10 @@
 """The main job: train every level this machine can run on the same data, from the same weights, and verify each.
 
-    python -m common.compare [--levels 1,3,4] [--epochs 10] [--train-size 10000] [--batch 8] ...
-    make compare ARGS="--levels 1,3,4"
+    python -m common.compare [--model lenet] [--levels 1,3,4] [--epochs 10] [--train-size 10000] [--batch 8] ...
+    make compare ARGS="--levels 1,3,4"          make compare ARGS="--model lenet"
 
-Every level gets the same initial weights (common.model.init_params) and visits the same batches in the
+The network is one of common/models.py's (the MLP by default). Every level that implements it gets the same initial
+weights (its module's init_params) and visits the same batches in the
 same order. Each level's uninterrupted run is timed; then each is verified against level 1 on the CPU,
 the gold standard, by the two checks of common/verify.py: lockstep at every step of the run, and its
 free run against float32 noise measured by level 1's float64 twin. Writes results.json and two plots
@@ -20,9 +21,9 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 from tqdm import tqdm
@@ -31,7 +32,8 @@ from common import verify
 from common.contract import immutable
 from common.data import load_mnist, normalize
 from common.levels import LEVELS, ROOT, Level, gpu_available, level, missing
-from common.model import HIDDEN, flops_per_step, init_params
+from common.model import HIDDEN
+from common.models import MODELS, get
 
 REFERENCE = "level1[cpu]"
 PEERS = ("torch-eager", "torch-graph")  # level1_pytorch/peers.py: on a GPU, the yardsticks of speed
@@ -70,9 +72,10 @@ def runs_for(numbers: list[int], gpu: bool) -> list[tuple[Level, str]]:
     return pairs
 
 
-def factory(lv: Level, device: str, **options) -> Callable:
-    """params -> a fresh model of the level (level 1 takes its device)."""
-    return (lambda params: lv.load()(params, device=device, **options)) if lv.number == 1 else lv.load()
+def factory(lv: Level, device: str, model: str = "mlp", **options) -> Callable:
+    """params -> a fresh model of the level for a network (level 1 takes its device)."""
+    cls = lv.load(model)
+    return (lambda params: cls(params, device=device, **options)) if lv.number == 1 else cls
 
 
 def peer_runs() -> list[Run]:
@@ -117,7 +120,7 @@ def verify_runs(runs: list[Run], twin: Run, params, X, y, y_test, orders, args, 
     noise = verify.free_run_noise(reference.losses, twin.losses, reference.predictions, twin.predictions, args.epochs)
     checked = [run for run in runs[1:] if not run.failure]
     models = {run.label: run.factory(params) for run in checked}
-    records, reference_diverged = verify.lockstep(models, params, X, y, orders, args.batch, args.lr, quiet)
+    records, reference_diverged = verify.lockstep(models, params, X, y, orders, args.batch, args.lr, quiet, args.model)
     for run in checked:
         record = records[run.label]
         run.lockstep = {**record.summary(), "record": record}
@@ -177,7 +180,7 @@ def summarize(runs: list[Run], args, steps_per_epoch: int) -> list[dict]:
             "speedup_vs_level1": reference / epoch,
             "speedup_vs_eager": peer["torch-eager"] / epoch if peer["torch-eager"] else None,
             "speedup_vs_graph": peer["torch-graph"] / epoch if peer["torch-graph"] else None,
-            "gflops": flops_per_step(args.batch, args.hidden) * steps_per_epoch / epoch / 1e9,
+            "gflops": get(args.model).network.flops_per_step(args.batch, args.hidden) * steps_per_epoch / epoch / 1e9,
             "final_loss": float(np.mean(run.losses[-steps_per_epoch:])),
             "test_accuracy": run.test_accuracy,
             "lockstep_used": run.lockstep["max_used"] if run.lockstep else None,
@@ -259,7 +262,7 @@ def plot(runs: list[Run], twin: Run, out: Path, title: str, epochs: int) -> None
         tie_steps = sorted({t.step for t in record.ties})
         if tie_steps:
             top.plot(tie_steps, np.max(np.asarray(record.update_err)[tie_steps], axis=1), "x",
-                     color=line[0].get_color(), ms=7, label=f"{run.label}: ReLU ties")
+                     color=line[0].get_color(), ms=7, label=f"{run.label}: ties")
     top.set(ylabel="||update - level 1's|| / ||level 1's||\n(largest tensor)", yscale="log",
             title=f"Lockstep: every step from level 1's parameters - {title}")
     if top.lines:
@@ -273,14 +276,14 @@ def plot(runs: list[Run], twin: Run, out: Path, title: str, epochs: int) -> None
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    trainable = [lv.number for lv in LEVELS if lv.trains]
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--levels", default=",".join(map(str, trainable)), help="comma-separated level numbers")
-    p.add_argument("--epochs", type=int, default=10)
-    p.add_argument("--train-size", type=int, default=10_000, help="the first N training images")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=HIDDEN)
-    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--model", default="mlp", choices=[m.name for m in MODELS], help="the network (common/models.py)")
+    p.add_argument("--levels", default=None, help="comma-separated level numbers (default: every level of the model)")
+    p.add_argument("--epochs", type=int, help="default: the model's chapter run (common/models.py)")
+    p.add_argument("--train-size", type=int, help="the first N training images (default: the chapter run's)")
+    p.add_argument("--batch", type=int, help="default: the chapter run's")
+    p.add_argument("--hidden", type=int, default=HIDDEN, help="the MLP's hidden units (LeNet-5 has fixed sizes)")
+    p.add_argument("--lr", type=float, help="default: the chapter run's")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shuffle", action="store_true", help="a seeded permutation per epoch, the same for every level")
     p.add_argument(
@@ -290,12 +293,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quiet", action="store_true", help="no progress bars (also when not on a terminal or in CI)")
     p.add_argument("--no-peers", action="store_true", help="on a GPU, leave out the PyTorch peers (eager, CUDA graph)")
     args = p.parse_args(argv)
+    network = get(args.model)
+    for name, value in network.run.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.levels is None:
+        args.levels = ",".join(str(lv.number) for lv in LEVELS if lv.trains and lv.number in network.levels)
     try:
         args.levels = [int(n) for n in args.levels.split(",")]
     except ValueError:
         p.error(f"--levels takes comma-separated level numbers, e.g. 1,3,4; got {args.levels!r}")
     if unknown := [n for n in args.levels if n not in [lv.number for lv in LEVELS]]:
         p.error(f"no level {unknown[0]}: the levels are {','.join(str(lv.number) for lv in LEVELS)}")
+    if not network.has_hidden and args.hidden != HIDDEN:
+        p.error(f"--hidden sizes the MLP; {network.title} has fixed sizes")
     if 1 not in args.levels:
         p.error("level 1 is the gold standard every level is checked against: include it in --levels")
     for name in ("epochs", "train_size", "batch", "hidden"):
@@ -336,35 +347,39 @@ def main(argv: list[str] | None = None) -> int:
     print(f"data: {data.source}")
     X, y, n = training_set(data, args)
     X_test, y_test = normalize(data.test_images), data.test_labels
-    params = init_params(args.seed, args.hidden)
+    network = get(args.model)
+    params = network.network.init_params(args.seed, args.hidden)
     orders = [epoch_order(n, epoch, args.seed, args.shuffle) for epoch in range(args.epochs)]
 
     runs: list[Run] = []
     for lv, device in runs_for(args.levels, gpu_available()):
-        if why := missing(lv, device):
+        if why := missing(lv, device, args.model):
             print(f"skipping {lv.name} ({lv.title}): {'; '.join(why)}")
             continue
-        runs.append(Run(f"{lv.name}[{device}]", lv.number, device, factory(lv, device)))
-    if gpu_available() and not args.no_peers:
+        runs.append(Run(f"{lv.name}[{device}]", lv.number, device, factory(lv, device, args.model)))
+    if gpu_available() and not args.no_peers and args.model == "mlp":  # the peers are the MLP's
         runs += peer_runs()
     if not runs or runs[0].label != REFERENCE:
         raise SystemExit(f"{REFERENCE} must run: it is the reference every level is checked against")
     for run in runs:
         train(run.factory(params), run, X, y, X_test, y_test, orders, args, quiet)
-    twin = train(factory(level(1), "cpu", dtype="float64")(params), Run("level1[cpu, float64]", 1, "cpu", None),
+    twin = train(factory(level(1), "cpu", args.model, dtype="float64")(params), Run("level1[cpu, float64]", 1, "cpu", None),
                  X, y, X_test, y_test, orders, args, quiet)
     verify_runs(runs, twin, params, X, y, y_test, orders, args, quiet)
 
     steps_per_epoch = -(-n // args.batch)
     rows = summarize(runs, args, steps_per_epoch)
     print(
-        f"\n{n:,} images x {args.epochs} epochs, batch {args.batch}, hidden {args.hidden}, lr {args.lr}, seed {args.seed}"
+        f"\n{network.title}: {n:,} images x {args.epochs} epochs, batch {args.batch}{size_note(args)}, lr {args.lr}, "
+        f"seed {args.seed}"
         f"{', shuffled' if args.shuffle else ''}; verified against {REFERENCE}: lockstep at every step, "
         f"free run against float32 noise (common/verify.py)\n"
     )
     print_table(rows)
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "quiet", "no_peers")}
     settings["train_size"] = n
+    if not network.has_hidden:
+        del settings["hidden"]
     results = {
         "settings": settings,
         "data": data.source,
@@ -375,18 +390,21 @@ def main(argv: list[str] | None = None) -> int:
         "runs": [_for_json(run) for run in runs + [twin]],
     }
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
-    plot(runs, twin, args.out, f"{n:,} images, batch {args.batch}, hidden {args.hidden}", args.epochs)
+    plot(runs, twin, args.out, f"{network.title}, {n:,} images, batch {args.batch}{size_note(args)}", args.epochs)
     print(f"\nwrote {args.out / 'results.json'}, loss_curves.png and lockstep.png")
     for run in runs:
         record = run.lockstep and run.lockstep["record"]
         for tie in (record.ties if record else [])[:5]:
-            print(f"tie: {run.label} at step {tie.step}, hidden unit {tie.unit}, image {tie.image}: exact "
-                  f"pre-activation {tie.h:.2g}, within float32's reach of 0 ({tie.bound:.2g}); its ReLU went the "
-                  "other way from level 1's")
+            print(f"tie: {run.label} at {tie.describe()}")
     failed = [run for run in runs if run.failure]
     for run in failed:
         print(f"FAIL: {run.label} {run.failure}" if "diverged" not in run.failure else f"DIVERGED: {run.label} {run.failure}")
     return 1 if failed else 0
+
+
+def size_note(args) -> str:
+    """", hidden 256" for the MLP; nothing for a network of fixed sizes."""
+    return f", hidden {args.hidden}" if get(args.model).has_hidden else ""
 
 
 def _for_json(run: Run) -> dict:

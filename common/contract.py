@@ -18,22 +18,25 @@ from __future__ import annotations
 
 import numpy as np
 
-from common.model import N_IN, N_OUT, PARAM_NAMES, param_shapes
+from common import model
+from common.model import N_IN, N_OUT
 
 
-def check_params(params: dict[str, np.ndarray], hidden: int | None = None) -> dict[str, np.ndarray]:
-    """Validate names, shapes (hidden units as given, else as fc1.weight says) and values; return C-contiguous float32 copies."""
-    if not isinstance(params, dict) or set(params) != set(PARAM_NAMES):
+def check_params(params: dict[str, np.ndarray], hidden: int | None = None, network=model) -> dict[str, np.ndarray]:
+    """Validate names, shapes and values; return C-contiguous float32 copies. network: the module that defines the
+    network (common.model, the MLP, whose hidden size is as given or as fc1.weight says; common.lenet)."""
+    names = network.PARAM_NAMES
+    if not isinstance(params, dict) or set(params) != set(names):
         got = sorted(params) if isinstance(params, dict) else type(params).__name__
-        raise ValueError(f"params must be a dict with keys {list(PARAM_NAMES)}, got {got}")
-    if hidden is None:
+        raise ValueError(f"params must be a dict with keys {list(names)}, got {got}")
+    if network is model and hidden is None:
         hidden = np.shape(params["fc1.weight"])[0] if np.ndim(params["fc1.weight"]) == 2 else -1
         if hidden == 0:
             raise ValueError("params['fc1.weight'] has 0 rows: a model needs at least 1 hidden unit")
     out = {}
-    for name, shape in param_shapes(hidden).items():
+    for name, shape in network.param_shapes(hidden).items():
         value = np.asarray(params[name])
-        if hidden < 1 or value.shape != shape:
+        if (network is model and hidden < 1) or value.shape != shape:
             raise ValueError(f"params[{name!r}] has shape {value.shape}, expected {shape}")
         if not np.issubdtype(value.dtype, np.floating):
             raise TypeError(f"params[{name!r}] must be floating point, got {value.dtype}")

@@ -3,6 +3,7 @@
 Each entry says what the level needs, so a machine runs exactly the levels it can:
   "torch" - PyTorch importable;   "cc" - a C compiler built the library;
   "nvcc"  - nvcc built the library; "gpu" - an NVIDIA GPU is visible at run time.
+Which networks each level implements, and in which library, is common/models.py's list.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ class Level:
     package: str
     title: str
     needs: tuple[str, ...]
-    library: str | None = None  # shared library built by `make levelN`, relative to the package
+    library: str | None = None  # the MLP's shared library built by `make levelN`, relative to the package
     trains: bool = True  # level 2 is theory: it derives the formulas, it does not train
 
     @property
@@ -34,12 +35,21 @@ class Level:
 
     @property
     def library_path(self) -> Path | None:
-        """Absolute path of the built shared library, if the level has one."""
+        """Absolute path of the MLP's built shared library, if the level has one."""
         return ROOT / self.package / self.library if self.library else None
 
-    def load(self):
-        """Import the level's package and return its MLP class."""
-        return importlib.import_module(self.package).MLP
+    def library_for(self, model: str = "mlp") -> Path | None:
+        """Absolute path of the level's shared library for a network (common/models.py), if it has one."""
+        from common.models import get
+
+        name = get(model).library(self.number)
+        return ROOT / self.package / name if name else None
+
+    def load(self, model: str = "mlp"):
+        """Import the level's package and return its class for a network (MLP, LeNet: common/models.py)."""
+        from common.models import get
+
+        return getattr(importlib.import_module(self.package), get(model).class_name)
 
 
 LEVELS: tuple[Level, ...] = (
@@ -73,13 +83,17 @@ def gpu_available() -> bool:
         return bool(smi) and subprocess.run([smi, "-L"], capture_output=True).returncode == 0
 
 
-def missing(lv: Level, device: str = "cpu") -> list[str]:
-    """Why this machine cannot run the level on `device` (empty when it can); level 1 runs on either."""
+def missing(lv: Level, device: str = "cpu", model: str = "mlp") -> list[str]:
+    """Why this machine cannot run the level on `device` for a network (empty when it can); level 1 runs on either."""
+    from common.models import get
+
     why = []
+    if lv.number not in get(model).levels:
+        why.append(f"level {lv.number} does not implement {get(model).title}")
     if "torch" in lv.needs and importlib.util.find_spec("torch") is None:
         why.append("PyTorch is not installed")
-    if lv.library and not lv.library_path.exists():
-        why.append(f"{lv.library_path.relative_to(ROOT)} is not built: run `make level{lv.number}`")
+    if (path := lv.library_for(model)) and not path.exists():
+        why.append(f"{path.relative_to(ROOT)} is not built: run `make level{lv.number}`")
     if ("gpu" in lv.needs or device == "cuda") and not gpu_available():
         why.append("no NVIDIA GPU is visible on this machine")
     return why

@@ -1,6 +1,7 @@
-"""The one Python binding for the native levels (C, naive CUDA, cuBLAS): cffi in ABI mode over common/mlp.h.
+"""The one Python binding for the native levels (C, naive CUDA, cuBLAS, fused): cffi in ABI mode over common/mlp.h,
+and over its twin for LeNet-5, common/lenet.h.
 
-The declarations are read from the header itself (between its cdef markers), so Python cannot
+The declarations are read from the headers themselves (between their cdef markers), so Python cannot
 disagree with C about a signature. Every call is checked: a failing status raises NativeError
 with the library's own message (which call, file and line). Python validates every argument
 before native code sees it, and keeps each array alive for the duration of the call.
@@ -27,13 +28,15 @@ from pathlib import Path
 import numpy as np
 from cffi import FFI
 
+from common import lenet, model
 from common.contract import DataCache, check_params, check_training, check_X, check_y, hidden_size, n_steps
 from common.levels import ROOT, Level
-from common.model import N_IN, N_OUT, PARAM_NAMES, param_shapes
+from common.model import N_IN, N_OUT
 
-HEADER = Path(__file__).with_name("mlp.h")
+HEADERS = [Path(__file__).with_name(name) for name in ("mlp.h", "lenet.h")]
 ffi = FFI()
-ffi.cdef(re.search(r"/\* cdef-begin \*/(.*)/\* cdef-end \*/", HEADER.read_text(), re.S).group(1))
+for header in HEADERS:
+    ffi.cdef(re.search(r"/\* cdef-begin \*/(.*)/\* cdef-end \*/", header.read_text(), re.DOTALL).group(1))
 
 
 CHUNK_S = 0.05  # the length of one native call of an epoch: Ctrl-C waits at most about this long
@@ -78,18 +81,22 @@ def _ptr(a: np.ndarray, ctype: str):
     return ffi.from_buffer(ctype, a)
 
 
-class NativeMLP:
-    """The level contract over a shared library implementing mlp.h. Subclasses only set `lib`."""
+class NativeModel:
+    """The level contract over a shared library implementing mlp.h or lenet.h: the calls are the same but for their
+    prefix (mlp_, lenet_), how a model is created and how the parameters travel (NativeMLP, NativeLeNet below).
+    A level's class only sets `lib`."""
 
     lib = None  # the loaded library, set by native_level()
+    network = model  # the module of the network's parameter names and shapes
+    prefix = "mlp"  # of the header's functions
 
     def __init__(self, params: dict[str, np.ndarray]):
-        params = check_params(params)
-        self.hidden = hidden_size(params)
+        params = check_params(params, network=self.network)
+        self.hidden = hidden_size(params) if self.network is model else None
         self._lock = threading.Lock()
-        handle = ffi.new("mlp **")
-        self._check(self.lib.mlp_create(handle, N_IN, self.hidden, N_OUT))
-        self._model = ffi.gc(handle[0], self.lib.mlp_destroy)  # freed when collected, or by close()
+        handle = ffi.new(f"{self.prefix} **")
+        self._check(self._create(handle))
+        self._model = ffi.gc(handle[0], self._native("destroy"))  # freed when collected, or by close()
         self.load_state_dict(params)
         self._data = DataCache()  # not given self._upload: a model -> cache -> model cycle would delay freeing GPU memory
 
@@ -110,8 +117,8 @@ class NativeMLP:
                     take = min(chunk, len(losses) - done)
                     rows = order[done * batch_size : (done + take) * batch_size]
                     start = time.perf_counter()
-                    self._check(self.lib.mlp_train_epoch(self._handle(), _ptr(losses[done:], "float[]"),
-                                                         _ptr(rows, "int[]"), len(rows), batch_size, lr))
+                    self._check(self._native("train_epoch")(self._handle(), _ptr(losses[done:], "float[]"),
+                                                            _ptr(rows, "int[]"), len(rows), batch_size, lr))
                     done += take
                     if interrupted() and done < len(losses):
                         raise TrainingInterrupted(done, len(losses), losses[:done].copy())
@@ -123,13 +130,12 @@ class NativeMLP:
         X = check_X(X)
         y = check_y(y, len(X))
         self._check_rows(len(X))
-        grads = self._empty_params()
+        grads, pointers = self._params_out()
         loss = ffi.new("float *")
-        grad_ptrs = (_ptr(grads[k], "float[]") for k in PARAM_NAMES)
         with self._lock:
-            self._check(self.lib.mlp_loss_and_grads(self._handle(), loss, *grad_ptrs, _ptr(X, "float[]"),
-                                                    _ptr(y, "int[]"), len(X)))
-        return float(loss[0]), grads
+            self._check(self._native("loss_and_grads")(self._handle(), loss, *pointers, _ptr(X, "float[]"),
+                                                       _ptr(y, "int[]"), len(X)))
+        return float(loss[0]), grads()
 
     def forward(self, X: np.ndarray) -> np.ndarray:
         """Logits (N, 10), FORWARD_ROWS rows per native call (Ctrl-C is answered between two)."""
@@ -138,22 +144,23 @@ class NativeMLP:
         with self._lock:
             for start in range(0, len(X), FORWARD_ROWS):
                 rows = slice(start, start + FORWARD_ROWS)
-                self._check(self.lib.mlp_forward(self._handle(), _ptr(logits[rows], "float[]"), _ptr(X[rows], "float[]"),
-                                                 len(X[rows])))
+                self._check(self._native("forward")(self._handle(), _ptr(logits[rows], "float[]"),
+                                                    _ptr(X[rows], "float[]"), len(X[rows])))
         return logits
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """float32 copies of the parameters."""
-        params = self._empty_params()
+        params, pointers = self._params_out()
         with self._lock:
-            self._check(self.lib.mlp_get_params(self._handle(), *(_ptr(params[k], "float[]") for k in PARAM_NAMES)))
-        return params
+            self._check(self._native("get_params")(self._handle(), *pointers))
+        return params()
 
     def load_state_dict(self, params: dict[str, np.ndarray]) -> None:
-        """Replace the parameters (same hidden size)."""
-        params = check_params(params, self.hidden)
+        """Replace the parameters (same sizes)."""
+        params = check_params(params, self.hidden, network=self.network)
+        arrays = self._params_in(params)  # kept alive for the call
         with self._lock:
-            self._check(self.lib.mlp_set_params(self._handle(), *(_ptr(params[k], "float[]") for k in PARAM_NAMES)))
+            self._check(self._native("set_params")(self._handle(), *(_ptr(a, "float[]") for a in arrays)))
 
     def close(self) -> None:
         """Free the native model now instead of at garbage collection; any later use raises.
@@ -163,11 +170,11 @@ class NativeMLP:
             ffi.release(self._handle())
             self._model = None
 
-    def __copy__(self) -> NativeMLP:
+    def __copy__(self) -> NativeModel:
         """A new, independent model with the same parameters (never a second owner of this one's memory)."""
         return type(self)(self.state_dict())
 
-    def __deepcopy__(self, memo) -> NativeMLP:
+    def __deepcopy__(self, memo) -> NativeModel:
         return self.__copy__()
 
     def __reduce__(self):
@@ -177,33 +184,100 @@ class NativeMLP:
     def _handle(self):
         """The native model, or a clear error after close()."""
         if self._model is None:
-            raise NativeError("this model was closed: create a new MLP")
+            raise NativeError(f"this model was closed: create a new {type(self).__name__}")
         return self._model
 
     def _upload(self, X: np.ndarray, y: np.ndarray) -> int:
         """Hand the training set to the library (a GPU level uploads it); returns its row count."""
-        self._check(self.lib.mlp_set_data(self._handle(), _ptr(X, "float[]"), _ptr(y, "int[]"), len(X)))
+        self._check(self._native("set_data")(self._handle(), _ptr(X, "float[]"), _ptr(y, "int[]"), len(X)))
         return len(X)
 
     def _check_rows(self, rows: int) -> None:
-        """A batch the native code can hold: each of its buffers (rows x 784 or rows x hidden) within MLP_MAX_ELEMENTS."""
-        width = max(N_IN, self.hidden)
+        """A batch the native code can hold: each of its buffers (rows x its width) within MLP_MAX_ELEMENTS."""
+        width = self._row_width()
         if rows * width > self.lib.MLP_MAX_ELEMENTS:
             raise ValueError(f"a batch of {rows:,} rows x {width:,} values is {rows * width:,} elements per buffer; "
                              f"the native levels hold at most {self.lib.MLP_MAX_ELEMENTS:,} (8 GiB of float32): "
                              "use a smaller batch_size")
 
-    def _empty_params(self) -> dict[str, np.ndarray]:
-        return {k: np.empty(shape, dtype=np.float32) for k, shape in param_shapes(self.hidden).items()}
+    def _native(self, name: str):
+        """The library's function of this name, with the header's prefix."""
+        return getattr(self.lib, f"{self.prefix}_{name}")
 
     def _check(self, status: int) -> None:
         if status != self.lib.MLP_OK:
             raise NativeError(ffi.string(self.lib.mlp_last_error()).decode(errors="replace"))
 
 
-def native_level(lv: Level) -> type[NativeMLP]:
-    """The MLP class of a native level; importing says how to build the library when it is missing."""
-    path = lv.library_path
+
+
+class NativeMLP(NativeModel):
+    """The MLP over mlp.h: four pointers for the four parameters."""
+
+    def _create(self, handle) -> int:
+        return self.lib.mlp_create(handle, N_IN, self.hidden, N_OUT)
+
+    def _params_in(self, params: dict[str, np.ndarray]) -> list[np.ndarray]:
+        return [params[k] for k in model.PARAM_NAMES]
+
+    def _params_out(self):
+        """(a function returning the filled dict, the pointers to hand the library to fill it)."""
+        params = {k: np.empty(shape, dtype=np.float32) for k, shape in model.param_shapes(self.hidden).items()}
+        return (lambda: params), [_ptr(params[k], "float[]") for k in model.PARAM_NAMES]
+
+    def _row_width(self) -> int:
+        return max(N_IN, self.hidden)
+
+
+class NativeLeNet(NativeModel):
+    """LeNet-5 over lenet.h: one flat buffer for the ten parameters, and every layer's output for the verifier."""
+
+    network = lenet
+    prefix = "lenet"
+    CONVOLUTIONS = ("direct", "im2col")
+
+    def __init__(self, params: dict[str, np.ndarray], convolution: str = "direct"):
+        if convolution not in self.CONVOLUTIONS:
+            raise ValueError(f"convolution must be one of {self.CONVOLUTIONS}, got {convolution!r}")
+        super().__init__(params)
+        self.convolution = convolution
+        self._check(self.lib.lenet_set_convolution(self._handle(), self.CONVOLUTIONS.index(convolution)))
+
+    def layers(self, X: np.ndarray, y: np.ndarray) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """Every layer's output for a batch, and the gradient of the batch's mean loss with respect to each."""
+        X = check_X(X)
+        y = check_y(y, len(X))
+        self._check_rows(len(X))
+        outputs, grads = (np.empty(len(X) * self.lib.LENET_ACTIVATIONS, dtype=np.float32) for _ in range(2))
+        with self._lock:
+            self._check(self.lib.lenet_layers(self._handle(), _ptr(outputs, "float[]"), _ptr(grads, "float[]"),
+                                              _ptr(X, "float[]"), _ptr(y, "int[]"), len(X)))
+        return lenet.split_layers(outputs, len(X)), lenet.split_layers(grads, len(X))
+
+    def __copy__(self) -> NativeLeNet:
+        return type(self)(self.state_dict(), self.convolution)
+
+    def __reduce__(self):
+        return type(self), (self.state_dict(), self.convolution)
+
+    def _create(self, handle) -> int:
+        return self.lib.lenet_create(handle)
+
+    def _params_in(self, params: dict[str, np.ndarray]) -> list[np.ndarray]:
+        return [lenet.flatten(params)]
+
+    def _params_out(self):
+        flat = np.empty(self.lib.LENET_PARAMS, dtype=np.float32)
+        return (lambda: lenet.unflatten(flat)), [_ptr(flat, "float[]")]
+
+    def _row_width(self) -> int:
+        return self.lib.LENET_ROW_FLOATS
+
+
+def native_level(lv: Level, network: str = "mlp") -> type[NativeModel]:
+    """A native level's class for a network (MLP, LeNet); importing says how to build the library when it is missing."""
+    path = lv.library_for(network)
     if not path.exists():
         raise ImportError(f"{path.relative_to(ROOT)} is not built: run `make level{lv.number}`")
-    return type("MLP", (NativeMLP,), {"lib": ffi.dlopen(str(path)), "__module__": lv.package})
+    base = {"mlp": NativeMLP, "lenet": NativeLeNet}[network]
+    return type(base.__name__.removeprefix("Native"), (base,), {"lib": ffi.dlopen(str(path)), "__module__": lv.package})

@@ -150,25 +150,71 @@ class Tie:
     h: float  # the exact pre-activation, within `bound` of 0
     bound: float  # gamma_n * S
 
+    def describe(self) -> str:
+        return (f"step {self.step}, hidden unit {self.unit}, image {self.image}: exact pre-activation {self.h:.2g}, "
+                f"within float32's reach of 0 ({self.bound:.2g}); its ReLU went the other way from level 1's")
+
+
+class MlpStep:
+    """The MLP's float64 step, and the ReLU flips (closed form, explain_flips) that explain a float32 result."""
+
+    names = PARAM_NAMES
+
+    def __init__(self, params: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray, lr: float):
+        self.exact, self.lr = exact_step(params, x, y, lr), lr
+        self.loss, self.params = self.exact.loss, dict(self.exact.params)
+
+    def observe(self, model) -> None:
+        """What the step needs of an implementation before it steps: nothing, the flips have a closed form."""
+        return
+
+    def take_reference(self, after: dict[str, np.ndarray], observed=None) -> dict[str, np.ndarray]:
+        """Level 1's step ended at `after`: where it went the other way from exact arithmetic at a tie (its fc1
+        update moved further than rounding), the float64 step follows it from now on. Returns that step."""
+        self.params = self.follow(after, observed, -1, None, None)[0]
+        return dict(self.params)
+
+    def follow(self, got: dict[str, np.ndarray], observed, k: int, batch: np.ndarray | None,
+               allowed: dict | None) -> tuple[dict[str, np.ndarray], list[Tie]]:
+        """(the float64 step taking the ReLU flips that explain `got`, the flips as ties), searched where `got` is
+        past `allowed` (None: further than rounding)."""
+        first = ("fc1.weight", "fc1.bias")
+        far = [_flipped(_norm(got[n] - self.params[n]), self.params[n]) if allowed is None
+               else _norm(got[n] - self.params[n]) > allowed[n] for n in first]
+        if not any(far):
+            return dict(self.params), []
+        dw, db, flips = explain_flips(got[first[0]] - self.params[first[0]], got[first[1]] - self.params[first[1]],
+                                      self.exact, self.lr)
+        expected = {**self.params, first[0]: self.params[first[0]] + dw, first[1]: self.params[first[1]] + db}
+        ties = [] if batch is None else [Tie(k, j, int(batch[r]), float(self.exact.h[r, j]), self.exact.bound(r, j))
+                                         for r, j in flips]
+        return expected, ties
+
+    @staticmethod
+    def unexplained(name: str) -> str:
+        """What a failure of this tensor adds: only fc1's updates can hold a tie."""
+        return "; no ReLU tie explains it" if name.startswith("fc1") else ""
+
 
 @dataclass
 class LockstepRecord:
     """One level's lockstep: per-step errors, the ties, and the first failure."""
 
     label: str
+    names: tuple[str, ...] = PARAM_NAMES  # the network's parameters
     loss_err: list[float] = field(default_factory=list)  # |loss - level 1's| / level 1's loss
     update_err: list[list[float]] = field(default_factory=list)  # ||update - level 1's|| / ||level 1's||, per tensor
     used: list[float] = field(default_factory=list)  # the largest share of an allowance used (loss or any tensor)
-    ties: list[Tie] = field(default_factory=list)
+    ties: list = field(default_factory=list)  # Tie (the MLP) or common.lenet_verify.LayerTie
     failure: str | None = None
 
     def summary(self) -> dict:
         """Maxima and percentiles, ties and the verdict, as results.json keeps them."""
-        update = np.asarray(self.update_err).reshape(-1, len(PARAM_NAMES))
+        update = np.asarray(self.update_err).reshape(-1, len(self.names))
         per_tensor = {
             name: {q: float(np.percentile(update[:, i], p)) if len(update) else 0.0
                    for q, p in (("median", 50), ("p99", 99), ("max", 100))}
-            for i, name in enumerate(PARAM_NAMES)
+            for i, name in enumerate(self.names)
         }
         return {
             "steps": len(self.used),
@@ -190,17 +236,35 @@ def _share(distance: float, allowed: float) -> float:
 
 
 def _flipped(distance: float, params64: np.ndarray) -> bool:
-    """Could a ReLU flip be in this fc1 distance? A flip moves a row by lr * |da| * ||x|| (~1e-4 here), rounding
+    """Could a ReLU flip be in this distance? A flip moves a row by lr * |da| * ||x|| (~1e-4 here), rounding
     alone by u * ||theta|| (~1e-6): so not below 4 x the rounding. Saves the tie search on most steps."""
     return distance > 4 * U * _norm(params64)
+
+
+@dataclass
+class Step:
+    """What every level's step is compared with: level 1's, and the float64 one that follows level 1's decisions."""
+
+    k: int  # the step's number
+    batch: np.ndarray  # its rows of the training set
+    before: dict[str, np.ndarray]  # level 1's parameters before it
+    after: dict[str, np.ndarray]  # ... and after it
+    loss: float  # level 1's loss
+    exact: MlpStep  # the float64 step (the network's kind: MlpStep, common.lenet_verify.LeNetStep)
+    expected: dict[str, np.ndarray]  # its parameters, level 1's decisions taken
+    own: dict[str, float]  # level 1's distance from them, per tensor
+    size: dict[str, float]  # the size of level 1's update, per tensor
+    allowed: dict[str, float]  # how far a level's result may be from `expected`, per tensor
 
 
 class Lockstep:
     """Steps level 1 one batch at a time and, from its parameters before each step, every level under test."""
 
-    def __init__(self, reference, models: dict, X: np.ndarray, y: np.ndarray, lr: float):
-        self.reference, self.models, self.X, self.y, self.lr = reference, models, X, y, lr
-        self.records = {label: LockstepRecord(label) for label in models}
+    def __init__(self, reference, models: dict, X: np.ndarray, y: np.ndarray, lr: float, float64_step=MlpStep):
+        self.reference, self.models, self.X, self.y = reference, models, X, y
+        self.lr = float(np.float32(lr))  # the float32 learning rate every level steps with (contract.check_training)
+        self.float64_step = float64_step  # the network's: (params, x, y, lr) -> MlpStep or the like
+        self.records = {label: LockstepRecord(label, float64_step.names) for label in models}
         self.steps = 0
         self.reference_diverged: str | None = None
 
@@ -211,58 +275,54 @@ class Lockstep:
         if self.reference_diverged:
             return
         before = self.reference.state_dict()
-        expected_loss = float(self.reference.train_epoch(X, y, len(batch), lr, batch)[0])
+        exact = self.float64_step(before, X[batch], y[batch], lr)
+        observed = exact.observe(self.reference)
+        loss = float(self.reference.train_epoch(X, y, len(batch), lr, batch)[0])
         after = self.reference.state_dict()
-        if not (np.isfinite(expected_loss) and all(np.isfinite(v).all() for v in after.values())):
+        if not (np.isfinite(loss) and all(np.isfinite(v).all() for v in after.values())):
             self.reference_diverged = f"level 1 itself diverged at lockstep step {k}"
             return
-        exact = exact_step(before, X[batch], y[batch], lr)
-        expected = dict(exact.params)
-        own = {name: _norm(after[name] - expected[name]) for name in PARAM_NAMES}  # level 1's own distance
-        if any(_flipped(own[name], expected[name]) for name in ("fc1.weight", "fc1.bias")):
-            # Level 1 went the other way from exact arithmetic at a tie: the float64 step follows level 1.
-            dw, db, _ = explain_flips(after["fc1.weight"] - expected["fc1.weight"],
-                                      after["fc1.bias"] - expected["fc1.bias"], exact, lr)
-            expected["fc1.weight"], expected["fc1.bias"] = expected["fc1.weight"] + dw, expected["fc1.bias"] + db
-            own.update({name: _norm(after[name] - expected[name]) for name in ("fc1.weight", "fc1.bias")})
-        size = {name: _norm(after[name] - before[name]) for name in PARAM_NAMES}
-        allowed = {n: YARDSTICK * own[n] + 2 * U * _norm(expected[n]) + FLOOR * U * size[n] for n in PARAM_NAMES}
+        expected = exact.take_reference(after, observed)  # where level 1 went the other way at a tie, so does it
+        names = exact.names
+        own = {n: _norm(after[n] - expected[n]) for n in names}  # level 1's own distance
+        size = {n: _norm(after[n] - before[n]) for n in names}
+        allowed = {n: YARDSTICK * own[n] + 2 * U * _norm(expected[n]) + FLOOR * U * size[n] for n in names}
+        step = Step(k, batch, before, after, loss, exact, expected, own, size, allowed)
         for label, model in self.models.items():
             record = self.records[label]
             if record.failure:
                 continue
             model.load_state_dict(before)
-            loss = float(model.train_epoch(X, y, len(batch), lr, batch)[0])
+            observed = exact.observe(model)
+            got_loss = float(model.train_epoch(X, y, len(batch), lr, batch)[0])
             got = model.state_dict()
-            if not (np.isfinite(loss) and all(np.isfinite(v).all() for v in got.values())):
+            if not (np.isfinite(got_loss) and all(np.isfinite(v).all() for v in got.values())):
                 record.failure = f"step {k}: non-finite loss or parameters from level 1's finite ones: a bug, not the data"
                 continue
-            self._compare(record, k, batch, loss, expected_loss, got, after, expected, exact, own, allowed, size)
+            self._compare(record, step, got_loss, got, observed)
 
-    def _compare(self, record, k, batch, loss, expected_loss, got, after, expected, exact, own, allowed, size) -> None:
+    @staticmethod
+    def _compare(record: LockstepRecord, step: Step, loss: float, got: dict[str, np.ndarray], observed) -> None:
         """Record the step's errors and ties for one level; set its failure if a rule is broken."""
-        adjust = {name: 0.0 for name in PARAM_NAMES}
-        distance = {name: _norm(got[name] - expected[name]) for name in PARAM_NAMES}
-        if distance["fc1.weight"] > allowed["fc1.weight"] or distance["fc1.bias"] > allowed["fc1.bias"]:
-            dw, db, flips = explain_flips(got["fc1.weight"] - expected["fc1.weight"],
-                                          got["fc1.bias"] - expected["fc1.bias"], exact, self.lr)
-            adjust["fc1.weight"], adjust["fc1.bias"] = dw, db
-            for name in ("fc1.weight", "fc1.bias"):
-                distance[name] = _norm(got[name] - expected[name] - adjust[name])
-            record.ties += [Tie(k, j, int(batch[r]), float(exact.h[r, j]), exact.bound(r, j)) for r, j in flips]
-        loss_allowed = LOSS_RTOL * abs(expected_loss) + LOSS_ATOL
-        shares = [abs(loss - expected_loss) / loss_allowed] + [_share(distance[n], allowed[n]) for n in PARAM_NAMES]
-        record.loss_err.append(abs(loss - expected_loss) / max(abs(expected_loss), np.finfo(np.float32).tiny))
-        record.update_err.append([_norm(got[n] - after[n] - adjust[n]) / size[n] if size[n] else 0.0 for n in PARAM_NAMES])
+        names = step.exact.names
+        expected, ties = step.exact.follow(got, observed, step.k, step.batch, step.allowed)
+        record.ties += ties
+        adjust = {n: expected[n] - step.expected[n] for n in names}  # what the level's own tie decisions changed
+        distance = {n: _norm(got[n] - expected[n]) for n in names}
+        loss_allowed = LOSS_RTOL * abs(step.loss) + LOSS_ATOL
+        shares = [abs(loss - step.loss) / loss_allowed] + [_share(distance[n], step.allowed[n]) for n in names]
+        record.loss_err.append(abs(loss - step.loss) / max(abs(step.loss), np.finfo(np.float32).tiny))
+        record.update_err.append([_norm(got[n] - step.after[n] - adjust[n]) / step.size[n] if step.size[n] else 0.0
+                                  for n in names])
         record.used.append(max(shares))
         if shares[0] > 1:
-            record.failure = (f"step {k}: loss {loss:.8g}, level 1's {expected_loss:.8g}: "
-                              f"{abs(loss - expected_loss):.2g} apart, more than {loss_allowed:.2g} allowed")
+            record.failure = (f"step {step.k}: loss {loss:.8g}, level 1's {step.loss:.8g}: "
+                              f"{abs(loss - step.loss):.2g} apart, more than {loss_allowed:.2g} allowed")
         elif max(shares) > 1:
-            name = PARAM_NAMES[int(np.argmax(shares[1:]))]
-            record.failure = (f"step {k}: the {name} update is {distance[name]:.3g} from the float64 step, where "
-                              f"level 1's is {own[name]:.3g} ({allowed[name]:.3g} allowed)"
-                              + ("; no ReLU tie explains it" if name.startswith("fc1") else ""))
+            name = names[int(np.argmax(shares[1:]))]
+            record.failure = (f"step {step.k}: the {name} update is {distance[name]:.3g} from the float64 step, where "
+                              f"level 1's is {step.own[name]:.3g} ({step.allowed[name]:.3g} allowed)"
+                              + step.exact.unexplained(name))
 
 
 @contextmanager
@@ -280,12 +340,13 @@ def torch_threads(n: int):
 
 
 def lockstep(models: dict, params, X, y, orders: list[np.ndarray], batch: int, lr: float,
-             quiet: bool = True) -> tuple[dict[str, LockstepRecord], str | None]:
-    """Every step of the run (the batches of `orders`, epoch by epoch) in lockstep with level 1 on the CPU.
-
-    Returns each model's record and, if level 1 itself diverged, why.
+             quiet: bool = True, model: str = "mlp") -> tuple[dict[str, LockstepRecord], str | None]:
+    """Every step of the run (the batches of `orders`, epoch by epoch) in lockstep with level 1 on the CPU, for a
+    network of common/models.py. Returns each model's record and, if level 1 itself diverged, why.
     """
-    run = Lockstep(level(1).load()(params, device="cpu"), models, X, y, lr)
+    from common.models import get
+
+    run = Lockstep(level(1).load(model)(params, device="cpu"), models, X, y, lr, get(model).float64_step())
     batches = [order[start : start + batch] for order in orders for start in range(0, len(order), batch)]
     with torch_threads(1):
         for b in tqdm(batches, desc="lockstep", disable=quiet, leave=False):

@@ -27,6 +27,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
+from common import model  # noqa: E402
 from common.contract import DataCache, check_params, check_training, check_X, check_y, hidden_size, n_steps  # noqa: E402
 from common.model import N_IN, N_OUT  # noqa: E402
 
@@ -53,8 +54,11 @@ def _as_tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
-class MLP:
-    """The level contract, implemented with nn.Module, autograd and torch.optim.SGD."""
+class Model:
+    """The level contract, implemented with nn.Module, autograd and torch.optim.SGD, for any network: `build` makes
+    the module, `network` names its parameters (the MLP below; LeNet-5 in lenet.py)."""
+
+    network = model  # the module of the network's parameter names and shapes
 
     def __init__(self, params: dict[str, np.ndarray], device: str = "cpu", dtype: str = "float32"):
         if device not in ("cpu", "cuda"):
@@ -66,9 +70,9 @@ class MLP:
         torch.backends.cuda.matmul.allow_tf32 = False  # full float32: TF32 would change losses at 1e-3
         torch.backends.cudnn.allow_tf32 = False
         torch.use_deterministic_algorithms(True)
-        params = check_params(params)
+        params = check_params(params, network=self.network)
         self.device, self.dtype = torch.device(device), DTYPES[dtype]
-        self.net = Net(hidden_size(params)).to(self.device, self.dtype)
+        self.net = self.build(params).to(self.device, self.dtype)
         self.load_state_dict(params)
         self.optimizer = torch.optim.SGD(self.net.parameters(), lr=0.0)
         self._data = DataCache()
@@ -115,6 +119,26 @@ class MLP:
         return {name: t.detach().cpu().numpy().copy() for name, t in self.net.state_dict().items()}
 
     def load_state_dict(self, params: dict[str, np.ndarray]) -> None:
-        """Replace the parameters (same hidden size); the optimizer keeps working on them."""
-        params = check_params(params, self.net.fc1.out_features)
+        """Replace the parameters (same sizes); the optimizer keeps working on them."""
+        params = check_params(params, self.hidden, network=self.network)
         self.net.load_state_dict({k: torch.from_numpy(v) for k, v in params.items()})
+
+    def build(self, params: dict[str, np.ndarray]) -> nn.Module:
+        """The network's module, for these parameters' sizes."""
+        raise NotImplementedError
+
+    @property
+    def hidden(self) -> int | None:
+        """The hidden size, for a network that has one."""
+        return None
+
+
+class MLP(Model):
+    """The MLP: 784 -> hidden (ReLU) -> 10."""
+
+    def build(self, params: dict[str, np.ndarray]) -> nn.Module:
+        return Net(hidden_size(params))
+
+    @property
+    def hidden(self) -> int:
+        return self.net.fc1.out_features

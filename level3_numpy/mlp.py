@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from common import model
 from common.contract import DataCache, check_params, check_training, check_X, check_y, n_steps
 
 # ---- the layers: each forward followed by its backward ----
@@ -96,11 +97,14 @@ def sgd_momentum_update(params: dict[str, np.ndarray], grads: dict[str, np.ndarr
 # ---- the model: the contract every level implements ----
 
 
-class MLP:
-    """The level contract, forward and backward by hand."""
+class Model:
+    """The level contract, forward and backward by hand, for any network: a subclass writes `_forward` and
+    `_loss_and_grads`, and `network` names its parameters (the MLP below; LeNet-5 in lenet.py)."""
+
+    network = model  # the module of the network's parameter names and shapes
 
     def __init__(self, params: dict[str, np.ndarray]):
-        self.params = check_params(params)
+        self.params = check_params(params, network=self.network)
         self._data = DataCache()
 
     def train_epoch(self, X: np.ndarray, y: np.ndarray, batch_size: int, lr: float, order=None) -> np.ndarray:
@@ -122,15 +126,19 @@ class MLP:
 
     def forward(self, X: np.ndarray) -> np.ndarray:
         """Logits (N, 10)."""
-        return self._forward(check_X(X))[2]
+        return self._forward(check_X(X))[-1]
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """float32 copies of the parameters."""
         return {name: p.copy() for name, p in self.params.items()}
 
     def load_state_dict(self, params: dict[str, np.ndarray]) -> None:
-        """Replace the parameters (same hidden size)."""
-        self.params = check_params(params, len(self.params["fc1.bias"]))
+        """Replace the parameters (same sizes)."""
+        self.params = check_params(params, len(self.params["fc1.bias"]), network=self.network)
+
+
+class MLP(Model):
+    """The MLP: 784 -> hidden (ReLU) -> 10."""
 
     def _forward(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """x (B, 784) -> h (B, H), a (B, H), logits (B, 10); h and a are kept for the backward pass."""

@@ -1,0 +1,66 @@
+"""Level 1 - PyTorch, the gold standard, for the second network: LeNet-5 (common/lenet.py).
+
+The same contract as the MLP's (mlp.Model: nn.Module, autograd, torch.optim.SGD, full float32, deterministic, CPU and
+CUDA, a float64 twin with dtype="float64"), and one method more: layers(), every layer's output and gradient, for
+the verifier's per-layer check (common/verify.py).
+
+Run: `python -m common.compare --model lenet --levels 1` or `pytest -m level1 -k lenet`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common import lenet
+from common.contract import check_X, check_y
+from level1_pytorch.mlp import Model, _as_tensor
+
+
+class Net(nn.Module):
+    """conv1 -> ReLU -> max-pool -> conv2 -> ReLU -> max-pool -> fc1 -> ReLU -> fc2 -> ReLU -> fc3."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 6, lenet.KERNEL)
+        self.conv2 = nn.Conv2d(6, 16, lenet.KERNEL)
+        self.fc1 = nn.Linear(256, 120)
+        self.fc2 = nn.Linear(120, 84)
+        self.fc3 = nn.Linear(84, lenet.N_OUT)
+
+    def forward(self, x: torch.Tensor, keep: dict | None = None) -> torch.Tensor:
+        """Logits of x (N, 784); with `keep`, every layer's output is stored there by name (lenet.ACTIVATIONS)."""
+        keep = {} if keep is None else keep
+        a = x.reshape(-1, 1, lenet.IMAGE, lenet.IMAGE)
+        for name, layer in (("conv1", self.conv1), ("relu1", torch.relu), ("pool1", lambda t: F.max_pool2d(t, 2)),
+                            ("conv2", self.conv2), ("relu2", torch.relu), ("pool2", lambda t: F.max_pool2d(t, 2)),
+                            ("fc1", lambda t: self.fc1(t.flatten(1))), ("relu3", torch.relu), ("fc2", self.fc2),
+                            ("relu4", torch.relu), ("fc3", self.fc3)):
+            a = keep[name] = layer(a)
+        return a
+
+
+class LeNet(Model):
+    """LeNet-5, the level contract with nn.Module, autograd and torch.optim.SGD."""
+
+    network = lenet
+
+    def build(self, params: dict[str, np.ndarray]) -> nn.Module:
+        return Net()
+
+    def layers(self, X: np.ndarray, y: np.ndarray) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """Every layer's output for a batch, and the gradient of the batch's mean loss with respect to each; the
+        parameters unchanged."""
+        X = _as_tensor(check_X(X), self.device).to(self.dtype)
+        y = _as_tensor(check_y(y, len(X)), self.device).long()
+        keep: dict[str, torch.Tensor] = {}
+        logits = self.net(X, keep)
+        for tensor in keep.values():
+            tensor.retain_grad()
+        self.optimizer.zero_grad()
+        F.cross_entropy(logits, y).backward()
+        self.optimizer.zero_grad()
+        return ({k: t.detach().cpu().numpy() for k, t in keep.items()},
+                {k: t.grad.detach().cpu().numpy() for k, t in keep.items()})
