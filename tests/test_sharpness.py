@@ -1,0 +1,215 @@
+"""The verifier's own sharpness: an error of 1.5x what a rule allows fails, and one of 0.5x passes.
+
+Each rule is written here again from its statement (common/verify.py's and common/lenet_verify.py's docstrings), with
+its numbers, not read from the code it tests: a rule made looser there (a yardstick 10x larger, a wider band, a
+larger reach for ties) fails these tests.
+    update:   ||theta - theta_64|| <= 2 ||theta_1 - theta_64|| + 2u ||theta_64|| + 32u ||update||, per tensor
+    loss:     |loss - level 1's| <= 1e-5 level 1's + 2e-6
+    ties:     a ReLU within gamma_n * sum |terms| of 0; a pool window's top two within the sum of their reaches
+    free run: per epoch, |mean - level 1's| <= 4 max(the float64 twin's distance, 2.5e-4 x the mean); test
+              accuracy within max(the images the twin flipped, 10)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from common import lenet, lenet_verify, model, verify
+from common.levels import level
+from common.models import get
+
+pytestmark = pytest.mark.harness
+
+U = 2.0**-24
+SHARES = [pytest.param(0.5, id="half"), pytest.param(1.5, id="one-and-a-half")]
+
+
+def stated_allowance(after, expected, before) -> dict[str, float]:
+    """The update rule's allowance per tensor, from its statement."""
+    norm = np.linalg.norm
+    return {n: 2 * norm(after[n] - expected[n]) + 2 * U * norm(expected[n]) + 32 * U * norm(after[n] - before[n])
+            for n in expected}
+
+
+class Nudged:
+    """Level 1 with its step's result moved: one tensor to `share` of the stated allowance from the float64 step (in a
+    seeded random direction), or the loss by `share` of its allowance."""
+
+    def __init__(self, network: str, params, tensor: str | None = None, share: float = 0.0, loss_share: float = 0.0):
+        self.network, self.tensor, self.share, self.loss_share = get(network), tensor, share, loss_share
+        self.inner = level(1).load(network)(params)
+
+    def layers(self, X, y):
+        return self.inner.layers(X, y)
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, params):
+        self.inner.load_state_dict(params)
+
+    def train_epoch(self, X, y, batch_size, lr, order=None):
+        before = self.inner.state_dict()
+        exact = self.network.float64_step()(before, X[order], y[order], float(np.float32(lr)))
+        observed = exact.observe(self.inner)
+        losses = self.inner.train_epoch(X, y, batch_size, lr, order)
+        after = self.inner.state_dict()
+        expected = exact.take_reference(after, observed)
+        if self.tensor:
+            allowed = stated_allowance(after, expected, before)[self.tensor]
+            direction = np.random.default_rng(0).standard_normal(expected[self.tensor].shape)
+            moved = expected[self.tensor] + self.share * allowed * direction / np.linalg.norm(direction)
+            self.inner.load_state_dict({**after, self.tensor: moved.astype(np.float32)})
+        return losses + np.float32(self.loss_share * (1e-5 * abs(float(losses[0])) + 2e-6))
+
+
+@pytest.fixture(scope="module")
+def batches(mnist):
+    return mnist[0][:16], mnist[1][:16]
+
+
+@pytest.fixture(scope="module")
+def start(mnist):
+    """Each network after 30 steps of level 1 (batch 16): past the first steps."""
+    params = {}
+    for name, network in (("mlp", model), ("lenet", lenet)):
+        reference = level(1).load(name)(network.init_params(3))
+        reference.train_epoch(mnist[0][:480], mnist[1][:480], 16, 0.05)
+        params[name] = reference.state_dict()
+    return params
+
+
+def one_step(network: str, candidate, params, X, y) -> verify.LockstepRecord:
+    records, diverged = verify.lockstep({"level": candidate}, params, X, y, [np.arange(len(X), dtype=np.int32)],
+                                        len(X), 0.05, model=network)
+    assert diverged is None
+    return records["level"]
+
+
+TENSORS = [pytest.param(network, name, id=f"{network}-{name}")
+           for network, names in (("mlp", model.PARAM_NAMES), ("lenet", lenet.PARAM_NAMES)) for name in names]
+
+
+@pytest.mark.parametrize("share", SHARES)
+@pytest.mark.parametrize(("network", "tensor"), TENSORS)
+def test_each_tensors_update_rule(start, batches, network, tensor, share):
+    record = one_step(network, Nudged(network, start[network], tensor, share), start[network], *batches)
+    assert record.used[0] == pytest.approx(share, abs=0.2)  # the float32 rounding of the moved tensor, at most
+    assert (record.failure is not None) == (share > 1), record.failure
+    if share > 1:
+        assert f"the {tensor} update" in record.failure
+
+
+@pytest.mark.parametrize("share", SHARES)
+@pytest.mark.parametrize("network", ["mlp", "lenet"])
+def test_the_loss_rule(start, batches, network, share):
+    record = one_step(network, Nudged(network, start[network], loss_share=share), start[network], *batches)
+    assert (record.failure is not None) == (share > 1), record.failure
+    if share > 1:
+        assert "loss" in record.failure
+
+
+# ---- ties ----
+
+
+def relu1_tie(params, x, at: float) -> tuple[dict, tuple[int, int, int]]:
+    """params with conv1.bias[0] set so that image 0's exact conv1 output at the position of channel 0 with the
+    largest patch is `at` times float32's reach of 0 there (stated: gamma_26 x (|b| + sum |w x|))."""
+    image = x[0].astype(np.float64).reshape(28, 28)
+    w = params["conv1.weight"][0, 0].astype(np.float64)
+    patches = np.lib.stride_tricks.sliding_window_view(image, (5, 5))
+    r, c = np.unravel_index(np.abs(patches).sum(axis=(2, 3)).argmax(), patches.shape[:2])
+    dot, total = float((w * patches[r, c]).sum()), float((np.abs(w) * np.abs(patches[r, c])).sum())
+    gamma = 26 * U / (1 - 26 * U)
+    bias = -dot
+    for _ in range(3):  # the reach counts |b| too: settle it
+        bias = -dot + at * gamma * (total + abs(bias))
+    return {**params, "conv1.bias": np.concatenate([[np.float32(bias)], params["conv1.bias"][1:]])}, (0, int(r), int(c))
+
+
+class FlipsOneReLU:
+    """A level that decides the other way from exact arithmetic at one conv1 ReLU of image 0 and is exact elsewhere:
+    its layers() shows that decision, its step is the float64 step taking it."""
+
+    def __init__(self, params, where):
+        self.inner, self.where = level(1).load("lenet")(params), where
+        self.flat = np.ravel_multi_index((0, *where), (16, 6, 24, 24))
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, params):
+        self.inner.load_state_dict(params)
+
+    def layers(self, X, y):
+        outputs, grads = self.inner.layers(X, y)
+        outputs["conv1"].reshape(-1)[self.flat] *= -1 if outputs["conv1"].reshape(-1)[self.flat] else 1
+        return outputs, grads
+
+    def train_epoch(self, X, y, batch_size, lr, order=None):
+        step = lenet_verify.LeNetStep(self.inner.state_dict(), X[order], y[order], float(np.float32(lr)))
+        start = {k: torch.tensor(v) for k, v in step.start.items()}
+        exact = int(lenet.forward64(start, torch.tensor(step.x))[1]["relu1"].reshape(-1)[self.flat] > 0)
+        params, loss, _ = step._run({("relu1", int(self.flat)): 1 - exact})
+        self.inner.load_state_dict({k: v.astype(np.float32) for k, v in params.items()})
+        return np.array([loss], dtype=np.float32)
+
+
+@pytest.mark.parametrize("share", SHARES)
+def test_the_relu_tie_rule_of_lenet(start, batches, share):
+    params, where = relu1_tie(start["lenet"], batches[0], share)
+    record = one_step("lenet", FlipsOneReLU(params, where), params, *batches)
+    if share < 1:
+        assert record.failure is None, record.failure
+        assert [(t.layer, t.position, t.image) for t in record.ties] == [("relu1", where, 0)]
+    else:
+        assert record.failure and "no tie explains it" in record.failure and not record.ties
+
+
+@pytest.mark.parametrize("share", SHARES)
+def test_the_pool_tie_rule(share):
+    """A window whose top two are `share` times the sum of their reaches apart is a candidate only below 1."""
+    a = torch.tensor([[[[5.0, 5.0 - 2e-3 * share], [1.0, 0.0]]]], dtype=torch.float64)
+    bound = torch.full_like(a, 1e-3)
+    found = lenet_verify._pool_candidates("pool1", a, bound)
+    assert [(c.layer, c.position, c.exact) for c in found] == ([("pool1", (0, 0, 0), 0)] if share < 1 else [])
+
+
+@pytest.mark.parametrize("share", SHARES)
+def test_the_relu_tie_rule_of_the_mlp(share):
+    """A hidden unit whose exact pre-activation is `share` times gamma_785 x (|b| + sum |w x|) from 0 is a candidate
+    only below 1."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, model.N_IN)).astype(np.float32)
+    params = model.init_params(0, 4)
+    w, b = params["fc1.weight"][0].astype(np.float64), 0.0
+    dot, total = float(w @ x[0]), float(np.abs(w) @ np.abs(x[0]))
+    gamma = 785 * U / (1 - 785 * U)
+    for _ in range(3):
+        b = -dot + share * gamma * (total + abs(b))
+    params["fc1.bias"][0] = np.float32(b)
+    exact = verify.exact_step(params, x, np.array([1]), 0.05)
+    rows, units = exact.candidates()
+    assert (0 in units[rows == 0]) == (share < 1)
+
+
+# ---- the free run ----
+
+
+@pytest.mark.parametrize("share", SHARES)
+def test_the_free_run_band(share):
+    means = np.array([0.9, 0.5, 0.4])
+    noise = {"epoch_dev": 3e-4, "test_images_flipped": 4}
+    band = 4 * np.maximum(3e-4, 2.5e-4 * means)
+    run = verify.check_free_run(np.repeat(means + share * band, 10), np.repeat(means, 10), 0.9, 0.9, 10_000, noise, 3)
+    assert (run.failure is not None) == (share > 1) and run.used == pytest.approx(share, rel=1e-3)
+
+
+@pytest.mark.parametrize("share", SHARES)
+def test_the_test_accuracy_band(share):
+    noise = {"epoch_dev": 3e-4, "test_images_flipped": 4}
+    losses = np.repeat([0.9, 0.5], 10)
+    run = verify.check_free_run(losses, losses, 0.9 + share * 10 / 10_000, 0.9, 10_000, noise, 2)
+    assert (run.failure is not None) == (share > 1)
