@@ -84,7 +84,7 @@ BUGS = [
     (4, "level4_c/lenet.c", "memcpy(row + ((size_t)c * k + i) * k,", "memcpy(row + ((size_t)i * C + c) * k,",
      "LeNet: im2col's column order swapped (channel and kernel row)"),
     (4, "level4_c/lenet.c", "da[plane * H * H + (size_t)(2 * py + choice[i] / 2) * H + 2 * px + choice[i] % 2] = dout[i];",
-     "for (int e = 0; e < 4; e++) da[plane * H * H + (size_t)(2 * py + e / 2) * H + 2 * px + e % 2] = dout[i];",
+     "for (int e = 0; e < 4; e++) da[plane * H * H + (size_t)(2 * py + e / 2) * H + 2 * px + e % 2] = dout[i] + 0 * choice[i];",
      "LeNet: the pool's gradient sent to every element of its window"),
     (4, "level4_c/lenet.c", "best = v[i] > v[best] ? i : best;", "best = v[i] >= v[best] ? i : best;",
      "LeNet: the pool takes the last of equal maxima, where PyTorch takes the first"),
