@@ -265,3 +265,73 @@ def test_softmax_without_max_subtraction_overflows():
     assert bp.rel_error(stable, torch.softmax(reference, dim=1).numpy()) < 1e-6
     loss = F.cross_entropy(reference, torch.tensor(y)).item()
     assert abs(bp.softmax_xent_forward(logits, y) - loss) < 1e-6 * abs(loss)
+
+
+# ---- LeNet-5: the convolution and max-pooling (level2_theory/convolution.py) ----
+
+from level2_theory import convolution as conv  # noqa: E402
+
+# (N, C, H, F, k): conv1 and conv2 of LeNet at a small batch, and an odd size where an off-by-one shows.
+CONV_SHAPES = ((2, 1, 12, 3, 5), (2, 6, 12, 4, 5), (3, 2, 7, 2, 3))
+
+
+def conv_inputs(shape):
+    n, c, h, f, k = shape
+    rng = rng_for(n, c, h, f, k)
+    return rng.standard_normal((n, c, h, h)), rng.standard_normal((f, c, k, k)), rng.standard_normal(f)
+
+
+@pytest.mark.lenet
+@pytest.mark.parametrize("shape", CONV_SHAPES)
+def test_conv2d_forward_is_pytorchs_conv2d(shape):
+    x, W, b = conv_inputs(shape)
+    expected = F.conv2d(torch.tensor(x), torch.tensor(W), torch.tensor(b)).numpy()
+    assert bp.rel_error(conv.conv2d_forward(x, W, b), expected) < TORCH_TOL
+    assert bp.rel_error(conv.buggy_conv2d_forward(x, W, b), expected) > 0.5
+
+
+@pytest.mark.lenet
+@pytest.mark.parametrize("shape", CONV_SHAPES)
+def test_conv2d_backward_vs_finite_differences_and_autograd(shape):
+    x, W, b = conv_inputs(shape)
+    dout = rng_for(7, *shape).standard_normal(conv.conv2d_forward(x, W, b).shape)
+    dx, dW, db = conv.conv2d_backward(dout, x, W)
+    for got, wrt in ((dx, x), (dW, W), (db, b)):
+        def loss(value, wrt=wrt):
+            args = [value if a is wrt else a for a in (x, W, b)]
+            return float((conv.conv2d_forward(*args) * dout).sum())
+        assert bp.rel_error(got, bp.numerical_gradient(loss, wrt)) < FD_TOL
+    leaves = [torch_leaf(a) for a in (x, W, b)]
+    (F.conv2d(*leaves) * torch.tensor(dout)).sum().backward()
+    for got, leaf in zip((dx, dW, db), leaves):
+        assert bp.rel_error(got, leaf.grad.numpy()) < TORCH_TOL
+    buggy_dx = conv.buggy_conv2d_backward(dout, x, W)[0]
+    assert bp.rel_error(buggy_dx, dx) > 0.5  # dx without the flipped kernel
+
+
+@pytest.mark.lenet
+def test_maxpool_backward_vs_finite_differences_and_autograd():
+    rng = rng_for(11)
+    a = rng.permutation(2 * 3 * 6 * 6).reshape(2, 3, 6, 6) / 10.0  # distinct values: no ties, a smooth function
+    dout = rng.standard_normal((2, 3, 3, 3))
+    out, choice = conv.maxpool_forward(a)
+    da = conv.maxpool_backward(dout, choice)
+    numeric = bp.numerical_gradient(lambda v: float((conv.maxpool_forward(v)[0] * dout).sum()), a, eps=1e-3)
+    assert bp.rel_error(da, numeric) < FD_TOL
+    leaf = torch_leaf(a)
+    (F.max_pool2d(leaf, 2) * torch.tensor(dout)).sum().backward()
+    assert bp.rel_error(out, F.max_pool2d(torch.tensor(a), 2).numpy()) == 0
+    assert bp.rel_error(da, leaf.grad.numpy()) == 0
+    assert bp.rel_error(conv.buggy_maxpool_backward(dout, choice), numeric) > 0.5
+
+
+@pytest.mark.lenet
+def test_a_tie_in_a_window_sends_the_gradient_to_the_first_maximum():
+    """Two equal maxima: the output is the same either way, but PyTorch's gradient goes to the first."""
+    a = np.array([[[[1.0, 3.0], [3.0, 0.0]]]])
+    leaf = torch_leaf(a)
+    F.max_pool2d(leaf, 2).sum().backward()
+    assert leaf.grad.numpy().ravel().tolist() == [0, 1, 0, 0]
+    assert conv.maxpool_backward(np.ones((1, 1, 1, 1)), conv.maxpool_forward(a)[1]).ravel().tolist() == [0, 1, 0, 0]
+    out, choice = conv.buggy_maxpool_forward(a)
+    assert out.item() == 3.0 and conv.maxpool_backward(np.ones((1, 1, 1, 1)), choice).ravel().tolist() == [0, 0, 1, 0]
