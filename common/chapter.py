@@ -128,15 +128,17 @@ def show_c_function(path: str | Path, name: str) -> None:
 
 
 def small_run(levels: list[int], epochs: int = 2, train_size: int = 1000, batch: int = 8, hidden: int = 256,
-              out: str | Path | None = None) -> dict:
-    """Train `levels` with the harness (it skips, saying why, those this machine cannot run); its results.
+              out: str | Path | None = None, model: str = "mlp") -> dict:
+    """Train `levels` with the harness (it skips, saying why, those this machine cannot run); its results. model: a
+    network of common/models.py (LeNet-5 has no hidden size: `hidden` is then left out).
 
     Raises when the harness reports a failure, so that a chapter (and its test) cannot show a failed check as a pass.
     """
     folder = ROOT / out if out else Path(tempfile.mkdtemp(prefix="chapter-"))
     with contextlib.redirect_stdout(io.StringIO()) as log:  # show_results prints the table the chapter wants
-        status = compare.main(["--levels", ",".join(map(str, levels)), "--epochs", str(epochs), "--train-size",
-                               str(train_size), "--batch", str(batch), "--hidden", str(hidden), "--out", str(folder),
+        size = ["--hidden", str(hidden)] if model == "mlp" else []
+        status = compare.main(["--model", model, "--levels", ",".join(map(str, levels)), "--epochs", str(epochs),
+                               "--train-size", str(train_size), "--batch", str(batch), *size, "--out", str(folder),
                                "--quiet"])
     if status:
         print(log.getvalue())
@@ -164,7 +166,9 @@ def show_results(results: dict | str | Path, plots: bool = True) -> None:
     s, m = results["settings"], results["machine"]
     gpu = f"{m['gpu']} (driver {m.get('driver', '?')}, CUDA {m.get('cuda_runtime', '?')}) + " if "gpu" in m else ""
     rules = ", ".join(f"{k.replace('_', ' ')} {v:g}" for k, v in results["rules"].items())
-    print(f"{s['train_size']:,} images x {s['epochs']} epochs, batch {s['batch']}, hidden {s['hidden']}, lr {s['lr']}\n"
+    size = f", hidden {s['hidden']}" if "hidden" in s else ""
+    print(f"{'LeNet-5: ' if s.get('model') == 'lenet' else ''}{s['train_size']:,} images x {s['epochs']} epochs, batch {s['batch']}{size}, "
+          f"lr {s['lr']}\n"
           f"machine: {gpu}{m.get('cpu', '?')}\ndata: {results['data']}\nrules (common/verify.py): {rules}\n")
     compare.print_table(results["table"])
     print("\nepoch times, median [fastest, slowest]: " + "; ".join(

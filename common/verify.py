@@ -6,7 +6,8 @@
    float32 differences cannot pile up. The yardstick for "reproduce" is the one PyTorch's own tests use
    for float32: the same step computed in float64 (`exact_step`); the level's result may be at most
    YARDSTICK times as far from it as level 1's is, plus the rounding of the result to float32, which no
-   level can avoid. One exception is handled, not excused: a ReLU tie.
+   level can avoid. One exception is handled, not excused: a tie, a ReLU (or, in LeNet-5, a max-pool window) that
+   float32 may decide either way (common/lenet_verify.py for LeNet's rule).
 2. The free run, statistically. The level's uninterrupted run (the timed one) cannot be compared step
    by step: once a tie sends two float32 runs different ways, they part, as any two float32 trainings
    that sum in different orders do. So the free run is compared by what float32 noise allows, measured
