@@ -70,7 +70,7 @@ level7_fused/libmlp.so: level7_fused/mlp.cu level6_cublas/mlp.cu common/cuda_mlp
 
 # The lab's grader (common/grade.py, LABS.md) reaches each task's functions alone, through these: level 4's layer
 # functions, its memory functions under ASan + UBSan, and on a GPU machine level 5's kernels and level 7's device code.
-build/lab_level4.so: tests/lab_level4.c level4_c/mlp.c common/mlp.h common/mlp_status.h
+build/lab_level4.so: tests/lab_level4.c level4_c/lenet.c level4_c/mlp.c common/lenet.h common/mlp.h common/mlp_status.h
 	@mkdir -p build
 	$(CC) $(CFLAGS) -Icommon -shared -o $@ $< -lm
 build/lab_memory: tests/lab_memory.c level4_c/mlp.c common/mlp.h common/mlp_status.h

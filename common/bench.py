@@ -26,6 +26,7 @@ from common import compare
 from common.contract import immutable
 from common.data import load_mnist, normalize
 from common.levels import LEVELS, ROOT, gpu_available, missing
+from common.models import get
 from common.model import init_params
 
 PRESETS = {
@@ -98,7 +99,7 @@ def markdown_table(results: dict) -> str:
     where = f"{m.get('cpu', '?')}, {m.get('cpu_count', '?')} cores"
     if "gpu" in m:
         where = f"{m['gpu']} (driver {m['driver']}, CUDA {m['cuda_runtime']}); CPU levels on the host: {where}"
-    network = f"hidden {s['hidden']}" if "hidden" in s else "LeNet-5"
+    network = f"hidden {s['hidden']}" if "hidden" in s else get(s["model"]).title
     lines = [
         f"**{s['train_size']:,} images x {s['epochs']} epochs, batch {s['batch']}, {network}** - {where}; "
         f"data: {results['data'].rsplit(', ', 1)[0]}",

@@ -20,6 +20,7 @@ import numpy as np
 
 from common import compare, verify
 from common.levels import LEVELS, ROOT, gpu_available
+from common.models import MODELS
 
 # What a brace counter must step over in C: comments and string or character literals (they may hold braces).
 _C_TOKENS = re.compile(r"/\*.*?\*/|//[^\n]*|\"(?:\\.|[^\"\\\n])*\"|'(?:\\.|[^'\\\n])*'|[{};]", re.S)
@@ -271,14 +272,18 @@ def used_files() -> list[str]:
         if file and Path(file).resolve().is_relative_to(ROOT) and ".venv" not in Path(file).parts:
             files.add(Path(file).resolve())
     for lv in LEVELS:
-        if lv.library and lv.package in sys.modules:
-            files |= native_sources(lv.library_path.parent)
+        module = sys.modules.get(lv.package)
+        for network in MODELS:
+            library = network.library(lv.number)
+            if module and library and network.class_name in vars(module):  # the library it loaded
+                files |= native_sources(lv.library_path.parent / library.removeprefix("lib").removesuffix(".so"))
     return sorted(str(f.relative_to(ROOT)) for f in files if f.is_file() and f.is_relative_to(ROOT))
 
 
-def native_sources(folder: Path) -> set[Path]:
-    """The C/CUDA files a native level's library is built from: its own, and every file they #include "...", in turn."""
-    todo = [f.resolve() for f in (*folder.glob("*.c"), *folder.glob("*.cu"))]
+def native_sources(stem: Path) -> set[Path]:
+    """The C/CUDA files a native library is built from: its own (stem.c or stem.cu, e.g. level4_c/mlp for libmlp.so),
+    and every file they #include "...", in turn."""
+    todo = [stem.with_suffix(suffix).resolve() for suffix in (".c", ".cu")]
     seen: set[Path] = set()
     while todo:
         file = todo.pop()

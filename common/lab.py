@@ -51,6 +51,9 @@ CUDA_NAIVE = "level5_cuda_naive/mlp.cu"
 CUBLAS = "level6_cublas/mlp.cu"
 FUSED = "level7_fused/mlp.cu"
 FLOAT64 = "against float64 at odd sizes and on MNIST rows"
+NUMPY_LENET = "level3_numpy/lenet.py"
+C_LENET = "level4_c/lenet.c"
+CONV64 = "against float64 at odd sizes and on MNIST digits"
 
 _WRITTEN = (
     Task("2.1", "linear layer", "level2_theory/backprop.py", "forward; dx, dW, db by finite differences, autograd", 3),
@@ -68,6 +71,11 @@ _WRITTEN = (
     Task("3.7", "sgd_update", "level3_numpy/mlp.py", "in place, against float64; an lr 0.2% off fails", 1),
     Task("3.9", "sgd_momentum_update", "level3_numpy/mlp.py",
          "the chapter's exercise: 20 steps against torch.optim.SGD(momentum=0.9)", 2, exercise=True),
+    Task("3.10", "conv2d_forward", NUMPY_LENET, f"im2col and one product {CONV64}", 3),
+    Task("3.11", "conv2d_backward", NUMPY_LENET, f"col2im; dx, dw, db {CONV64}; no dx for the first layer", 4,
+         needs=("3.10",)),
+    Task("3.12", "maxpool_forward", NUMPY_LENET, "each window's maximum and its position, the first of equal ones", 2),
+    Task("3.13", "maxpool_backward", NUMPY_LENET, "the gradient to the chosen element alone, ties included", 2),
     Task("4.1", "linear_forward", C_LAYERS, f"x w^T + b {FLOAT64}", 3),
     Task("4.2", "linear_backward", C_LAYERS, f"dx, dw, db {FLOAT64}; dx NULL", 5),
     Task("4.3", "relu_forward", C_LAYERS, "exactly max(h, 0), zeros included", 1),
@@ -79,6 +87,10 @@ _WRITTEN = (
          "ensure_capacity, free_batch_buffers under ASan + UBSan: sizes, growth, no leak, limit refused", 3),
     Task("4.9", "the model", C_LAYERS, "mlp_create, mlp_destroy under ASan + UBSan: sizes, zeroed, no leak", 3,
          needs=("4.8",)),
+    Task("4.11", "conv2d_forward", C_LENET, f"direct loops {CONV64}", 3),
+    Task("4.12", "conv2d_backward", C_LENET, f"direct loops: dx, dw, db {CONV64}; dx NULL", 4),
+    Task("4.13", "maxpool_forward", C_LENET, "each window's maximum and its position, the first of equal ones", 2),
+    Task("4.14", "maxpool_backward", C_LENET, "the gradient to the chosen element alone, ties included", 2),
     Task("5.1", "linear_forward", CUDA_NAIVE, f"x w^T {FLOAT64}; partial tiles, no write past out", 4),
     Task("5.2", "linear_backward", CUDA_NAIVE, f"dx, dw {FLOAT64}; partial tiles, no write past them; dx NULL", 5),
     Task("5.3", "bias_forward", CUDA_SHARED, "out + b, exactly", 1),

@@ -87,6 +87,35 @@ class Level4Layers(NativeLayers):
         self.linear_backward_into(dout, x, w if w is not None else np.empty_like(dw), dx, dw, db)
         return dx, dw, db
 
+    def conv2d_forward(self, x, w, b):
+        n, c, h, _ = x.shape
+        f, k = w.shape[0], w.shape[2]
+        out = np.empty((n, f, h - k + 1, h - k + 1), np.float32)
+        self._call("conv2d_forward", out, np.ascontiguousarray(x), w, b, n, c, h, f, k)
+        return out
+
+    def conv2d_backward(self, dout, x, w, need_dx=True):
+        n, c, h, _ = x.shape
+        f, k = w.shape[0], w.shape[2]
+        dx = np.empty_like(x) if need_dx else None
+        dw, db = np.empty_like(w), np.empty(f, np.float32)
+        self._call("conv2d_backward", dx if need_dx else self.ffi.NULL, dw, db, np.ascontiguousarray(dout),
+                   np.ascontiguousarray(x), w, n, c, h, f, k)
+        return dx, dw, db
+
+    def maxpool_forward(self, a):
+        n, c, h, _ = a.shape
+        out, choice = np.empty((n, c, h // 2, h // 2), np.float32), np.empty((n, c, h // 2, h // 2), np.int32)
+        self._call("maxpool_forward", out, choice, np.ascontiguousarray(a), n, c, h)
+        return out, choice
+
+    def maxpool_backward(self, dout, choice):
+        n, c, p, _ = dout.shape
+        da = np.empty((n, c, 2 * p, 2 * p), np.float32)
+        self._call("maxpool_backward", da, np.ascontiguousarray(dout), np.ascontiguousarray(choice, np.int32), n, c,
+                   2 * p)
+        return da
+
 
 class Level5Layers(NativeLayers):
     """Level 5 (tests/lab_level5.cu): the products only; the bias has kernels of its own (bias_forward, _backward)."""

@@ -11,20 +11,24 @@ import importlib
 from dataclasses import dataclass
 from types import ModuleType
 
-from common import lenet, model
 
 
 @dataclass(frozen=True)
 class Model:
     name: str  # as `--model` takes it
     title: str
-    network: ModuleType  # PARAM_NAMES, param_shapes(hidden), init_params(seed, hidden), flops_per_step(batch, hidden)
+    module: str  # of the network: PARAM_NAMES, param_shapes(hidden), init_params(seed, hidden), flops_per_step(...)
     class_name: str  # what each level's package exports: level3_numpy.MLP, level3_numpy.LeNet
     levels: tuple[int, ...]  # the levels that implement it (level 2 derives; it does not train)
     libraries: tuple[tuple[int, str], ...]  # (level, shared library relative to its package) of the native levels
     has_hidden: bool  # whether `--hidden` sizes it
     step: str  # "module:class" of its float64 step for the verifier's lockstep (common/verify.py)
     run: dict  # the chapter run, `make compare`'s defaults: epochs, train_size, batch, lr
+
+    @property
+    def network(self) -> ModuleType:
+        """The network's module, imported when first asked for (an MLP run never imports LeNet's files)."""
+        return importlib.import_module(self.module)
 
     def library(self, number: int) -> str | None:
         """The shared library of native level `number` for this network, or None."""
@@ -37,10 +41,10 @@ class Model:
 
 
 MODELS: tuple[Model, ...] = (
-    Model("mlp", "the MLP, 784-hidden-10", model, "MLP", (1, 2, 3, 4, 5, 6, 7),
+    Model("mlp", "the MLP, 784-hidden-10", "common.model", "MLP", (1, 2, 3, 4, 5, 6, 7),
           ((4, "libmlp.so"), (5, "libmlp.so"), (6, "libmlp.so"), (7, "libmlp.so")), has_hidden=True,
           step="common.verify:MlpStep", run={"epochs": 10, "train_size": 10_000, "batch": 8, "lr": 0.01}),
-    Model("lenet", "LeNet-5", lenet, "LeNet", (1, 2, 3, 4), ((4, "liblenet.so"),), has_hidden=False,
+    Model("lenet", "LeNet-5", "common.lenet", "LeNet", (1, 2, 3, 4), ((4, "liblenet.so"),), has_hidden=False,
           step="common.lenet_verify:LeNetStep",
           # 1,250 steps: every CPU level trained and verified at each step in about 90 s on 2 cores
           run={"epochs": 2, "train_size": 10_000, "batch": 16, "lr": 0.05}),

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 from cffi import FFI
 
-from common import lenet, model
+from common import model
 from common.contract import DataCache, check_params, check_training, check_X, check_y, hidden_size, n_steps
 from common.levels import ROOT, Level
 from common.model import N_IN, N_OUT
@@ -229,10 +229,17 @@ class NativeMLP(NativeModel):
         return max(N_IN, self.hidden)
 
 
+def _lenet():
+    """common.lenet, imported when LeNet-5 is first used: the MLP's users never load its files."""
+    from common import lenet
+
+    return lenet
+
+
 class NativeLeNet(NativeModel):
     """LeNet-5 over lenet.h: one flat buffer for the ten parameters, and every layer's output for the verifier."""
 
-    network = lenet
+    network = property(lambda self: _lenet())
     prefix = "lenet"
     CONVOLUTIONS = ("direct", "im2col")
 
@@ -252,7 +259,7 @@ class NativeLeNet(NativeModel):
         with self._lock:
             self._check(self.lib.lenet_layers(self._handle(), _ptr(outputs, "float[]"), _ptr(grads, "float[]"),
                                               _ptr(X, "float[]"), _ptr(y, "int[]"), len(X)))
-        return lenet.split_layers(outputs, len(X)), lenet.split_layers(grads, len(X))
+        return _lenet().split_layers(outputs, len(X)), _lenet().split_layers(grads, len(X))
 
     def __copy__(self) -> NativeLeNet:
         return type(self)(self.state_dict(), self.convolution)
@@ -264,11 +271,11 @@ class NativeLeNet(NativeModel):
         return self.lib.lenet_create(handle)
 
     def _params_in(self, params: dict[str, np.ndarray]) -> list[np.ndarray]:
-        return [lenet.flatten(params)]
+        return [_lenet().flatten(params)]
 
     def _params_out(self):
         flat = np.empty(self.lib.LENET_PARAMS, dtype=np.float32)
-        return (lambda: lenet.unflatten(flat)), [_ptr(flat, "float[]")]
+        return (lambda: _lenet().unflatten(flat)), [_ptr(flat, "float[]")]
 
     def _row_width(self) -> int:
         return self.lib.LENET_ROW_FLOATS

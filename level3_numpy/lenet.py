@@ -31,14 +31,17 @@ from level3_numpy.mlp import (
 def im2col(x: np.ndarray, k: int) -> np.ndarray:
     """The k x k patches of x (N, C, H, W) as rows: (N * OH * OW, C * k * k), OH = H - k + 1; each row in the order of
     a weight's (C, k, k) entries, so that a convolution is one matrix product."""
+    # BEGIN LAB 3.10 conv2d_forward
     patches = sliding_window_view(x, (k, k), axis=(2, 3))  # (N, C, OH, OW, k, k), a view
     n, c, oh, ow = patches.shape[:4]
     return patches.transpose(0, 2, 3, 1, 4, 5).reshape(n * oh * ow, c * k * k)
+    # END LAB
 
 
 def col2im(cols: np.ndarray, shape: tuple[int, ...], k: int) -> np.ndarray:
     """The adjoint of im2col: each patch row of cols (N * OH * OW, C * k * k) added back where it came from, into an
     array of `shape` (N, C, H, W)."""
+    # BEGIN LAB 3.11 conv2d_backward
     n, c, h, w = shape
     oh, ow = h - k + 1, w - k + 1
     patches = cols.reshape(n, oh, ow, c, k, k)
@@ -47,25 +50,30 @@ def col2im(cols: np.ndarray, shape: tuple[int, ...], k: int) -> np.ndarray:
         for j in range(k):
             x[:, :, i : i + oh, j : j + ow] += patches[:, :, :, :, i, j].transpose(0, 3, 1, 2)
     return x
+    # END LAB
 
 
 def conv2d_forward(x: np.ndarray, w: np.ndarray, b: np.ndarray) -> np.ndarray:
     """A convolution (PyTorch's: a correlation, no flip), stride 1, no padding: x (N, C, H, W), weights w (F, C, k, k),
     bias b (F,) -> out (N, F, H - k + 1, W - k + 1)."""
+    # BEGIN LAB 3.10 conv2d_forward
     n, _, h, width = x.shape
     f, k = w.shape[0], w.shape[2]
     out = im2col(x, k) @ w.reshape(f, -1).T + b  # (N * OH * OW, F)
     return out.reshape(n, h - k + 1, width - k + 1, f).transpose(0, 3, 1, 2)
+    # END LAB
 
 
 def conv2d_backward(dout: np.ndarray, x: np.ndarray, w: np.ndarray, need_dx: bool = True) -> tuple:
     """Backward of conv2d_forward: given dout (N, F, OH, OW), the gradient with respect to its output, and its inputs
     x and w, the gradients (dx of x's shape or None when need_dx is False, dw of w's shape, db (F,))."""
+    # BEGIN LAB 3.11 conv2d_backward
     f, k = w.shape[0], w.shape[2]
     dflat = dout.transpose(0, 2, 3, 1).reshape(-1, f)  # (N * OH * OW, F), rows in im2col's order
     dw = (dflat.T @ im2col(x, k)).reshape(w.shape)
     dx = col2im(dflat @ w.reshape(f, -1), x.shape, k) if need_dx else None
     return dx, dw, dflat.sum(axis=0)
+    # END LAB
 
 
 def windows(a: np.ndarray) -> np.ndarray:
@@ -78,18 +86,22 @@ def windows(a: np.ndarray) -> np.ndarray:
 def maxpool_forward(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """2 x 2 max-pooling, stride 2: a (N, C, H, W) -> (out (N, C, H/2, W/2), the position 0..3 of each window's maximum,
     row-major, the first of equal maxima as in PyTorch)."""
+    # BEGIN LAB 3.12 maxpool_forward
     win = windows(a)
     choice = win.argmax(axis=-1)  # argmax returns the first of equal maxima
     return np.take_along_axis(win, choice[..., None], axis=-1)[..., 0], choice
+    # END LAB
 
 
 def maxpool_backward(dout: np.ndarray, choice: np.ndarray) -> np.ndarray:
     """Backward of maxpool_forward: given dout (N, C, H/2, W/2) and the positions it chose, da (N, C, H, W), the
     gradient with respect to its input."""
+    # BEGIN LAB 3.13 maxpool_backward
     n, c, oh, ow = dout.shape
     win = np.zeros((n, c, oh, ow, 4), dtype=dout.dtype)
     np.put_along_axis(win, choice[..., None], dout[..., None], axis=-1)
     return win.reshape(n, c, oh, ow, 2, 2).transpose(0, 1, 2, 4, 3, 5).reshape(n, c, 2 * oh, 2 * ow)
+    # END LAB
 
 
 # ---- the model: the contract every level implements ----

@@ -51,6 +51,7 @@ struct lenet {
  * rows with stride 1, and the order of the terms is fixed. */
 static void conv2d_forward(float *out, const float *x, const float *w, const float *b, int B, int C, int H, int F,
                            int k) {
+    /* BEGIN LAB 4.11 conv2d_forward */
     const int OH = H - k + 1;
     for (int n = 0; n < B; n++)
         for (int f = 0; f < F; f++) {
@@ -65,6 +66,7 @@ static void conv2d_forward(float *out, const float *x, const float *w, const flo
                             for (int ox = 0; ox < OH; ox++) o[oy * OH + ox] += weight * in[oy * H + ox];
                     }
         }
+    /* END LAB */
 }
 
 /* Backward of conv2d_forward: given dout (B, F, OH, OW), the gradient with respect to its output, and its inputs x
@@ -72,6 +74,7 @@ static void conv2d_forward(float *out, const float *x, const float *w, const flo
  * inputs and weights it was made from (a correlation of dout with the flipped kernel, for dx). */
 static void conv2d_backward(float *dx, float *dw, float *db, const float *dout, const float *x, const float *w, int B,
                             int C, int H, int F, int k) {
+    /* BEGIN LAB 4.12 conv2d_backward */
     const int OH = H - k + 1;
     memset(dw, 0, sizeof(float) * (size_t)F * C * k * k);
     memset(db, 0, sizeof(float) * (size_t)F);
@@ -95,6 +98,7 @@ static void conv2d_backward(float *dx, float *dw, float *db, const float *dout, 
                             for (int ox = 0; ox < OH; ox++) back[oy * H + ox] += w[wi] * g[oy * OH + ox];
                     }
         }
+    /* END LAB */
 }
 
 /* ---- the convolution as im2col and a matrix product ---- */
@@ -142,6 +146,7 @@ static void transpose_planes(float *out, const float *in, int B, int rows, int c
 /* out (B, C, H/2, W/2) = the maximum of each 2x2 window of a (B, C, H, W); choice gets its position 0..3 in the
  * window (row-major), the first of equal maxima as in PyTorch. */
 static void maxpool_forward(float *out, int *choice, const float *a, int B, int C, int H) {
+    /* BEGIN LAB 4.13 maxpool_forward */
     const int P = H / 2;
     for (size_t plane = 0; plane < (size_t)B * C; plane++)
         for (int py = 0; py < P; py++)
@@ -153,10 +158,12 @@ static void maxpool_forward(float *out, int *choice, const float *a, int B, int 
                 out[plane * P * P + (size_t)py * P + px] = v[best];
                 choice[plane * P * P + (size_t)py * P + px] = best;
             }
+    /* END LAB */
 }
 
 /* Backward of maxpool_forward: da (B, C, H, W) gets each window's gradient dout at the position it chose, 0 elsewhere. */
 static void maxpool_backward(float *da, const float *dout, const int *choice, int B, int C, int H) {
+    /* BEGIN LAB 4.14 maxpool_backward */
     const int P = H / 2;
     memset(da, 0, sizeof(float) * (size_t)B * C * H * H);
     for (size_t plane = 0; plane < (size_t)B * C; plane++)
@@ -165,6 +172,7 @@ static void maxpool_backward(float *da, const float *dout, const int *choice, in
                 const size_t i = plane * P * P + (size_t)py * P + px;
                 da[plane * H * H + (size_t)(2 * py + choice[i] / 2) * H + 2 * px + choice[i] % 2] = dout[i];
             }
+    /* END LAB */
 }
 
 /* ---- the step ---- */

@@ -127,7 +127,8 @@ def test_this_repository_passes_every_task_it_can_run(tmp_path):
 def test_one_levels_solutions_copied_back_pass_that_level(edition, tmp_path):
     copy = tmp_path / "lab"
     shutil.copytree(edition, copy, symlinks=True)
-    shutil.copy(ROOT / "level3_numpy" / "mlp.py", copy / "level3_numpy" / "mlp.py")
+    for path in {t.path for t in lab.TASKS if t.level == 3 and t.path}:  # mlp.py and lenet.py
+        shutil.copy(ROOT / path, copy / path)
     run, tasks = grade(copy, tmp_path / "grade.json", "--level", "3")
     assert run.returncode == 0, run.stdout[-3000:]
     assert {i: t["status"] for i, t in tasks.items()} == {t.id: "pass" for t in lab.TASKS if t.level == 3}
@@ -165,21 +166,24 @@ def test_no_line_of_a_solution_is_in_the_edition(edition):
     assert not found, "\n".join(found[:20])
 
 
-def owner(level: int, file: str, good) -> str:
-    """The task whose regions hold a bug's correct code, or the level's row when no task's do."""
+def owner(level: int, file: str, good) -> str | None:
+    """The task whose regions hold a bug's correct code, else the level's row when its tasks are in that file (the
+    row runs the level's own tests), else None: no task grades that code (LeNet's helpers outside its tasks, which
+    tests/test_lenet.py checks)."""
     for t in lab.TASKS:
         bodies = [r.body for r in lab.regions(t.path) if r.task == t.id] if t.path == file else []
         if bodies and all(any(old in body for body in bodies) for old in (good if isinstance(good, tuple) else [good])):
             return t.id
-    return lab.level_row(level).id
+    row = lab.level_row(level)
+    return row.id if any(lab.task(n).path == file for n in row.needs) else None
 
 
 def bug_params() -> list:
     """pytest.param per classic bug of a level with tasks, with the task it must fail; marked gpu where it needs one."""
     params = []
     for number, file, good, bad, what in BUGS:
-        if lab.level_row(number):
-            task = lab.task(owner(number, file, good))
+        if lab.level_row(number) and (graded_by := owner(number, file, good)):
+            task = lab.task(graded_by)
             marks = [pytest.mark.gpu] if task.gpu else []
             params.append(pytest.param(number, file, good, bad, task, marks=marks, id=f"{number}-{what}"))
     return params
@@ -292,23 +296,33 @@ def test_each_classic_bug_gets_its_hint(bug):
     assert hint in str(failure.value), str(failure.value)
 
 
-def test_each_hint_points_at_a_section_that_exists():
-    """Every "(level 2's chapter, section N, 'Title')" of the checks' hints names a heading of that section."""
-    import test_tasks
+CHAPTERS = {"level 2's": "level2_theory/chapter.ipynb", "LeNet's": "level3_numpy/chapter_lenet.ipynb"}
 
-    cells = json.loads((ROOT / "level2_theory" / "chapter.ipynb").read_text())["cells"]
+
+def section_headings(chapter: str) -> dict[str | None, list[str]]:
+    """A chapter's headings by section number ("2" for "## 2. Title" and the headings under it)."""
+    cells = json.loads((ROOT / chapter).read_text())["cells"]
     headings = [line.lstrip("#").strip().replace("$", "") for c in cells if c["cell_type"] == "markdown"
                 for line in "".join(c["source"]).splitlines() if line.startswith("#")]
-    section, titles = None, {}  # section number -> the headings in it
+    section, titles = None, {}
     for heading in headings:
         if match := re.match(r"(\d+)\. ", heading):
             section, heading = match[1], heading[match.end():]
         titles.setdefault(section, []).append(heading)
+    return titles
+
+
+def test_each_hint_points_at_a_section_that_exists():
+    """Every "(level 2's chapter, section N, 'Title')" of the checks' hints, or LeNet's, names a heading there."""
+    import test_tasks
+
     hints = [v for k, v in vars(test_tasks).items() if k.isupper() and isinstance(v, str) and "chapter, section" in v]
-    pointers = [p for hint in hints for p in re.findall(r"level 2's chapter, section (\d+), '([^']+)'", hint)]
-    assert len(pointers) == len(hints) >= 7
-    for number, title in pointers:
-        assert any(h.startswith(title) for h in titles.get(number, [])), f"section {number} has no heading '{title}'"
+    pointers = [p for hint in hints for p in re.findall(r"(level 2's|LeNet's) chapter, section (\d+), '([^']+)'", hint)]
+    assert len(pointers) == len(hints) >= 12
+    for whose, number, title in pointers:
+        titles = section_headings(CHAPTERS[whose])
+        assert any(h.startswith(title) for h in titles.get(number, [])), \
+            f"{CHAPTERS[whose]}: section {number} has no heading '{title}'"
 
 
 def test_a_task_that_calls_pytorch_is_refused(tmp_path):
@@ -404,10 +418,14 @@ def test_the_gradebook_grades_each_kind_of_submission(gradebook):
             assert failed, f"{kind} passed"
         if kind.startswith("hostile: ") and kind not in ("hostile: uses torch", "hostile: deletes"):
             assert failed == {"3.1"}, (kind, grade)  # each breaks linear_forward, gets zero for it, and no more
-    torch = by_kind["hostile: uses torch"]  # the whole file is refused, and the level's row waits for it
+    torch = by_kind["hostile: uses torch"]  # the whole file is refused, and the level's row waits for it; the
+    # level's other file (LeNet's) is a stub there
+    refused = lab.task("3.1").path
     assert {task: t["status"] for task, t in torch.items()} == {
-        t.id: "blocked" if t.path is None else "FAIL" for t in lab.TASKS if t.level == 3}
-    assert {t["status"] for t in by_kind["hostile: deletes"].values()} <= {"pass", "FAIL", "blocked"}  # its own copy
+        t.id: "blocked" if t.path is None else "FAIL" if t.path == refused else "not attempted"
+        for t in lab.TASKS if t.level == 3}
+    deletes = by_kind["hostile: deletes"]  # it deleted its own copy only
+    assert {t["status"] for t in deletes.values()} <= {"pass", "FAIL", "blocked", "not attempted"}
     assert "uses torch" in by_kind["hostile: uses torch"]["3.1"]["note"]
     assert "no answer after 20 s" in by_kind["hostile: hangs"]["3.1"]["note"]
     assert "held_out" in by_kind["hostile: fits the visible checks"]["3.1"]["note"]  # the visible checks pass it

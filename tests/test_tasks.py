@@ -269,6 +269,124 @@ def test_sgd_update(layers):
                       suspects)
 
 
+# ---- LeNet-5's convolution and max-pooling ----
+
+FLIPPED = ("this is the convolution with the kernel flipped: PyTorch's Conv2d is a correlation, no flip "
+           "(LeNet's chapter, section 2, 'The backward pass of a convolution and of a pool')")
+DX_UNFLIPPED = ("dx is made with the kernel as it is: dx is a full correlation of dout with the flipped kernel "
+                "(LeNet's chapter, section 2, 'The backward pass of a convolution and of a pool')")
+EVERY_ELEMENT = ("the gradient went to every element of the window; it goes to the maximum alone "
+                 "(LeNet's chapter, section 2, 'The backward pass of a convolution and of a pool')")
+LAST_OF_EQUAL = ("a tie went to the last of equal maxima; PyTorch takes the first, in row-major order "
+                 "(LeNet's chapter, section 2, 'The backward pass of a convolution and of a pool')")
+SIZE_OFF = ("an output size off by one: a 5x5 filter fits in 28 - 5 + 1 = 24 positions (LeNet's chapter, section 1, "
+            "'The network')")
+# (images, channels, size, filters, kernel): MNIST digits as conv1 sees them, conv2's shape, odd ones, a 1x1 output.
+CONVS = [(3, 1, 28, 6, 5), (2, 6, 12, 16, 5), (2, 3, 9, 4, 3), (1, 2, 5, 3, 5)]
+CONV_IDS = ["mnist", "conv2", "odd", "1x1"]
+
+
+def conv_inputs(n: int, c: int, h: int, f: int, k: int, images: np.ndarray):
+    """x (n, c, h, h): MNIST digits for the first layer, else N(0, 1); w (f, c, k, k) and b (f,)."""
+    x = images[:n].reshape(n, 1, 28, 28).copy() if (c, h) == (1, 28) else normal(n, c, h, h, seed=21)
+    return x, normal(f, c, k, k, seed=22, scale=0.3), normal(f, seed=23)
+
+
+def torch64(a) -> torch.Tensor:
+    return torch.tensor(np.asarray(a), dtype=torch.float64)
+
+
+@pytest.mark.parametrize("n, c, h, f, k", CONVS, ids=CONV_IDS)
+@pytest.mark.parametrize("task", task_params("conv2d_forward"))
+def test_conv2d_forward(layers, images, n, c, h, f, k):
+    x, w, b = conv_inputs(n, c, h, f, k, images)
+    out = layers.conv2d_forward(x, w, b)
+    size = h - k + 1
+    assert np.shape(out)[-1] == size, f"the output is {np.shape(out)[-1]} wide, not H - k + 1 = {size}: {SIZE_OFF}"
+    exact = F.conv2d(torch64(x), torch64(w), torch64(b)).numpy()
+    bound = gamma(c * k * k + 1) * (F.conv2d(torch64(np.abs(x)), torch64(np.abs(w))).numpy()
+                                    + np.abs(f64(b))[:, None, None])
+    suspects = {FLIPPED: F.conv2d(torch64(x), torch64(w).flip(-1, -2), torch64(b)).numpy() if k > 1 else None,
+                NO_BIAS: F.conv2d(torch64(x), torch64(w)).numpy()}
+    assert_within(out, exact, bound, "out", suspects)
+
+
+@pytest.mark.parametrize("n, c, h, f, k", CONVS, ids=CONV_IDS)
+@pytest.mark.parametrize("task", task_params("conv2d_backward"))
+def test_conv2d_backward(layers, images, n, c, h, f, k):
+    x, w, _ = conv_inputs(n, c, h, f, k, images)
+    size = h - k + 1
+    dout = normal(n, f, size, size, seed=24)
+    dx, dw, db = layers.conv2d_backward(dout, x, w)
+    tx, tw = torch64(x).requires_grad_(), torch64(w).requires_grad_()
+    F.conv2d(tx, tw).backward(torch64(dout))
+    ax, aw, ad = (torch64(np.abs(v)) for v in (x, w, dout))
+    # Each dw entry sums n * size^2 products; each dx entry at most f * k^2; db sums n * size^2 terms.
+    dw_bound = gamma(n * size * size) * torch.nn.grad.conv2d_weight(ax, w.shape, ad).numpy()
+    dx_bound = gamma(f * k * k) * torch.nn.grad.conv2d_input(x.shape, aw, ad).numpy()
+    unflipped = torch.nn.grad.conv2d_input(x.shape, torch64(w).flip(-1, -2), torch64(dout)).numpy() if k > 1 else None
+    assert_within(dw, tw.grad.numpy(), dw_bound, "dw")
+    assert_within(dx, tx.grad.numpy(), dx_bound, "dx", {DX_UNFLIPPED: unflipped})
+    assert_within(db, f64(dout).sum(axis=(0, 2, 3)), gamma(n * size * size) * np.abs(f64(dout)).sum(axis=(0, 2, 3)),
+                  "db", {WRONG_AXIS: f64(dout).sum(axis=(1, 2, 3)) if n == f else None})
+    _, dw_alone, _ = layers.conv2d_backward(dout, x, w, need_dx=False)  # the first layer: no dx, the same dw
+    np.testing.assert_array_equal(dw_alone, dw, err_msg="dw without dx differs from dw with it")
+
+
+def pool_input(n: int = 2, c: int = 3, h: int = 8) -> np.ndarray:
+    """a (n, c, h, h) whose windows hold ties: in a third of them the maximum appears twice, as ReLU outputs of
+    uniform image regions do; and some windows all zero."""
+    a = np.abs(normal(n, c, h, h, seed=31))
+    rng = np.random.default_rng(32)
+    for i in range(n):
+        for j in range(c):
+            for py in range(0, h, 2):
+                for px in range(0, h, 2):
+                    window = a[i, j, py : py + 2, px : px + 2]
+                    if rng.random() < 0.33:
+                        first, second = rng.choice(4, 2, replace=False)
+                        window.flat[max(first, second)] = window.max() + 1  # a tie: the later one is placed second
+                        window.flat[min(first, second)] = window.flat[max(first, second)]
+                    elif rng.random() < 0.1:
+                        window[:] = 0
+    return a
+
+
+def pool_exact(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(out, choice) of 2x2 max-pooling by PyTorch: the first of equal maxima, row-major in the window."""
+    out, index = F.max_pool2d(torch64(a), 2, return_indices=True)
+    h = a.shape[-1]
+    rows, cols = index.numpy() // h, index.numpy() % h
+    return out.numpy(), ((rows % 2) * 2 + cols % 2).astype(np.int32)
+
+
+@pytest.mark.parametrize("task", task_params("maxpool_forward"))
+def test_maxpool_forward(layers):
+    a = pool_input()
+    out, choice = layers.maxpool_forward(a)
+    exact, exact_choice = pool_exact(a)
+    assert_within(out, exact, 0, "out")  # a maximum is exact
+    last = pool_exact(a[..., ::-1, ::-1].copy())[1][..., ::-1, ::-1]  # the last of equal maxima instead
+    choice = np.asarray(choice)
+    assert choice.shape == exact_choice.shape, f"choice has shape {choice.shape}, not {exact_choice.shape}"
+    if not np.array_equal(choice, exact_choice):
+        hint = f"{LAST_OF_EQUAL}. " if np.array_equal(choice, 3 - last) else ""
+        i = tuple(int(j) for j in np.argwhere(choice != exact_choice)[0])
+        raise AssertionError(f"{hint}choice{list(i)} = {choice[i]}, PyTorch's {exact_choice[i]} "
+                             f"(window {a[i[0], i[1], 2 * i[2]:2 * i[2] + 2, 2 * i[3]:2 * i[3] + 2].ravel()})")
+
+
+@pytest.mark.parametrize("task", task_params("maxpool_backward"))
+def test_maxpool_backward(layers):
+    a = pool_input()
+    _, choice = pool_exact(a)
+    dout = normal(*choice.shape, seed=33)
+    ta = torch64(a).requires_grad_()
+    F.max_pool2d(ta, 2).backward(torch64(dout))
+    every = np.repeat(np.repeat(f64(dout), 2, axis=-1), 2, axis=-2)
+    assert_within(layers.maxpool_backward(dout, choice), ta.grad.numpy(), 0, "da", {EVERY_ELEMENT: every})
+
+
 # ---- level 4's memory, under AddressSanitizer ----
 
 
