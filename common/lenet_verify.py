@@ -61,7 +61,7 @@ class LeNetStep:
         self.x, self.lr = self.x32.astype(np.float64), lr
         self.params, self.loss, record = self._run({})
         self.candidates = candidates(self.start, self.x, record)
-        self.reference: dict = {}  # level 1's decisions where they differ from exact arithmetic's (by rebase)
+        self.reference: dict = {}  # level 1's decisions where they differ from exact arithmetic's (take_reference)
 
     def _run(self, override: dict) -> tuple[dict[str, np.ndarray], float, dict]:
         """The step with these decisions: its parameters after the update, its loss, and the forward's record."""
