@@ -114,13 +114,19 @@ def test_the_loss_rule(start, batches, network, share):
 # ---- ties ----
 
 
-def relu1_tie(params, x, at: float) -> tuple[dict, tuple[int, int, int]]:
-    """params with conv1.bias[0] set so that image 0's exact conv1 output at the position of channel 0 with the
-    largest patch is `at` times float32's reach of 0 there (stated: gamma_26 x (|b| + sum |w x|))."""
+def relu1_tie(params, x, y, at: float) -> tuple[dict, tuple[int, int, int]]:
+    """params with conv1.bias[0] set so that image 0's exact conv1 output at one position of channel 0 is `at` times
+    float32's reach of 0 there (stated: gamma_26 x (|b| + sum |w x|)). The position is the largest of its pool
+    window (so the window passes its gradient there, and the ReLU's decision matters), the one whose window gets the
+    largest gradient times the size of its patch."""
     image = x[0].astype(np.float64).reshape(28, 28)
     w = params["conv1.weight"][0, 0].astype(np.float64)
     patches = np.lib.stride_tricks.sliding_window_view(image, (5, 5))
-    r, c = np.unravel_index(np.abs(patches).sum(axis=(2, 3)).argmax(), patches.shape[:2])
+    dots = (patches * w).sum(axis=(2, 3))  # (24, 24): the bias shifts them all alike, so each window keeps its max
+    dpool = np.abs(level(1).load("lenet")(params).layers(x, y)[1]["pool1"][0, 0])  # (12, 12)
+    window_max = dots.reshape(12, 2, 12, 2).max(axis=(1, 3)).repeat(2, axis=0).repeat(2, axis=1)
+    score = np.where(dots == window_max, dpool.repeat(2, axis=0).repeat(2, axis=1), 0) * np.abs(patches).sum(axis=(2, 3))
+    r, c = np.unravel_index(score.argmax(), score.shape)
     dot, total = float((w * patches[r, c]).sum()), float((np.abs(w) * np.abs(patches[r, c])).sum())
     gamma = 26 * U / (1 - 26 * U)
     bias = -dot
@@ -159,7 +165,7 @@ class FlipsOneReLU:
 
 @pytest.mark.parametrize("share", SHARES)
 def test_the_relu_tie_rule_of_lenet(start, batches, share):
-    params, where = relu1_tie(start["lenet"], batches[0], share)
+    params, where = relu1_tie(start["lenet"], *batches, share)
     record = one_step("lenet", FlipsOneReLU(params, where), params, *batches)
     if share < 1:
         assert record.failure is None, record.failure
