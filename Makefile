@@ -42,8 +42,13 @@ level4_c/libmlp.so: level4_c/mlp.c common/mlp.h common/mlp_status.h
 level4_c/liblenet.so: level4_c/lenet.c level4_c/mlp.c common/lenet.h common/mlp.h common/mlp_status.h
 	$(CC) $(CFLAGS) -Icommon -shared -o $@ $< -lm
 
-level5: level5_cuda_naive/libmlp.so
+level5: level5_cuda_naive/libmlp.so level5_cuda_naive/liblenet.so
 level5_cuda_naive/libmlp.so: level5_cuda_naive/mlp.cu common/cuda_mlp.cuh common/mlp.h common/mlp_status.h
+	@[ -n "$(NVCC)" ] || { echo "level 5 needs nvcc (the CUDA toolkit)"; exit 1; }
+	$(NVCC) $(NVFLAGS) -Icommon -o $@ $<
+# LeNet-5: lenet.cu includes mlp.cu, whose kernels it reuses for the fully connected layers.
+level5_cuda_naive/liblenet.so: level5_cuda_naive/lenet.cu level5_cuda_naive/mlp.cu common/cuda_mlp.cuh common/lenet.h \
+		common/mlp.h common/mlp_status.h
 	@[ -n "$(NVCC)" ] || { echo "level 5 needs nvcc (the CUDA toolkit)"; exit 1; }
 	$(NVCC) $(NVFLAGS) -Icommon -o $@ $<
 
@@ -152,4 +157,4 @@ notebooks: $(ENV) levels
 	$(VENV)/bin/jupyter lab
 
 clean:
-	rm -rf level4_c/libmlp.so level4_c/liblenet.so level5_cuda_naive/libmlp.so level6_cublas/libmlp.so level7_fused/libmlp.so build
+	rm -rf level4_c/libmlp.so level4_c/liblenet.so level5_cuda_naive/libmlp.so level5_cuda_naive/liblenet.so level6_cublas/libmlp.so level7_fused/libmlp.so build

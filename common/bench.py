@@ -57,7 +57,7 @@ def profile_gpu(steps: int = 400) -> list[dict]:
         gpu_runs = [compare.Run(f"{lv.name}[cuda]", lv.number, "cuda", compare.factory(lv, "cuda"))
                     for lv, device in compare.runs_for([lv.number for lv in LEVELS], gpu=True)
                     if device == "cuda" and not missing(lv, "cuda")]
-        for run in gpu_runs[:1] + compare.peer_runs() + gpu_runs[1:]:
+        for run in gpu_runs[:1] + compare.peer_runs("mlp") + gpu_runs[1:]:
             model = run.factory(init_params(0, hidden))
             model.train_epoch(X, y, batch, 0.01)  # warm-up and the one upload of the data set
             start = time.perf_counter()

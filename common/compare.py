@@ -78,11 +78,12 @@ def factory(lv: Level, device: str, model: str = "mlp", **options) -> Callable:
     return (lambda params: cls(params, device=device, **options)) if lv.number == 1 else cls
 
 
-def peer_runs() -> list[Run]:
-    """The PyTorch peers on the GPU (level1_pytorch/peers.py), for the speed columns; verified like the levels."""
-    from level1_pytorch import peers
+def peer_runs(model: str) -> list[Run]:
+    """The PyTorch peers of a network on the GPU (level1_pytorch/peers.py), for the speed columns; verified like the
+    levels."""
+    from level1_pytorch.peers import peers
 
-    return [Run(f"{name}[cuda]", 1, "cuda", cls) for name, cls in zip(PEERS, (peers.Eager, peers.Graph))]
+    return [Run(f"{name}[cuda]", 1, "cuda", cls) for name, cls in peers(model).items()]
 
 
 def epoch_order(n: int, epoch: int, seed: int, shuffle: bool) -> np.ndarray:
@@ -356,9 +357,12 @@ def main(argv: list[str] | None = None) -> int:
         if why := missing(lv, device, args.model):
             print(f"skipping {lv.name} ({lv.title}): {'; '.join(why)}")
             continue
-        runs.append(Run(f"{lv.name}[{device}]", lv.number, device, factory(lv, device, args.model)))
-    if gpu_available() and not args.no_peers and args.model == "mlp":  # the peers are the MLP's
-        runs += peer_runs()
+        for convolution in network.variants(lv.number):  # LeNet's levels 4 and 5 have two each
+            options = {"convolution": convolution} if convolution else {}
+            label = f"{lv.name}[{', '.join([device, *options.values()])}]"
+            runs.append(Run(label, lv.number, device, factory(lv, device, args.model, **options)))
+    if gpu_available() and not args.no_peers:
+        runs += peer_runs(args.model)
     if not runs or runs[0].label != REFERENCE:
         raise SystemExit(f"{REFERENCE} must run: it is the reference every level is checked against")
     for run in runs:

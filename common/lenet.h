@@ -1,5 +1,5 @@
-/* lenet.h - the native interface of LeNet-5 (common/lenet.py), implemented by level4_c/lenet.c and loaded by the
- * same binding as mlp.h (common/native.py), which reads the declarations between the cdef markers below.
+/* lenet.h - the native interface of LeNet-5 (common/lenet.py), implemented by level4_c/lenet.c and
+ * level5_cuda_naive/lenet.cu, and loaded by the same binding as mlp.h (common/native.py), which reads the declarations between the cdef markers below.
  *
  * One header per network, each the other's twin: the same calls with the same arguments, the same status codes and
  * mlp_last_error() (mlp_status.h). So mlp.h, which four levels implement, stays as it is, and a diff of the two
@@ -34,8 +34,13 @@ int lenet_destroy(lenet *m);
 int lenet_set_params(lenet *m, const float *params);
 int lenet_get_params(lenet *m, float *params);
 
-/* 0: the convolutions as direct loops (the default); 1: as im2col and the MLP's matrix-product loops. */
-int lenet_set_convolution(lenet *m, int im2col);
+/* How a level computes its convolutions; each level has LENET_DIRECT (the default) and one more, the lesson of its
+ * level: level 4 LENET_IM2COL (patches as rows, then the MLP's matrix product), level 5 LENET_TILED (shared memory).
+ * Another is refused with MLP_ERR_ARG. */
+#define LENET_DIRECT 0
+#define LENET_IM2COL 1
+#define LENET_TILED 2
+int lenet_set_convolution(lenet *m, int convolution);
 
 /* logits (n, 10) = forward(x (n, 784)). */
 int lenet_forward(lenet *m, float *logits, const float *x, int n);
@@ -57,6 +62,23 @@ int lenet_train_epoch(lenet *m, float *losses, const int *order, int n_order, in
 
 #ifdef __cplusplus
 }
+#endif
+
+/* For the levels' code: the network's sizes, where each parameter starts in the flat buffer, and one image's
+ * layer outputs in lenet_layers' order (h: a layer's output before its ReLU, a: after, p: after pooling). */
+enum { IMAGE = 28, K = 5, C1 = 6, S1 = 24, P1 = 12, C2 = 16, S2 = 8, P2 = 4, F1 = 120, F2 = 84, OUT = 10 };
+enum { FLAT = C2 * P2 * P2 }; /* 256: pool2 flattened, channel, row, column */
+enum {
+    W1 = 0, B1 = W1 + C1 * K * K, W2 = B1 + C1, B2 = W2 + C2 * C1 * K * K, W3 = B2 + C2, B3 = W3 + F1 * FLAT,
+    W4 = B3 + F1, B4 = W4 + F2 * F1, W5 = B4 + F2, B5 = W5 + OUT * F2, N_PARAMS = B5 + OUT
+};
+enum { H1 = C1 * S1 * S1, POOL1 = C1 * P1 * P1, H2 = C2 * S2 * S2, POOL2 = FLAT };
+#ifdef __cplusplus
+static_assert(N_PARAMS == LENET_PARAMS, "the parameter offsets add up to LENET_PARAMS");
+static_assert(2 * H1 + POOL1 + 2 * H2 + POOL2 + 2 * F1 + 2 * F2 + OUT == LENET_ACTIVATIONS, "LENET_ACTIVATIONS");
+#else
+_Static_assert(N_PARAMS == LENET_PARAMS, "the parameter offsets add up to LENET_PARAMS");
+_Static_assert(2 * H1 + POOL1 + 2 * H2 + POOL2 + 2 * F1 + 2 * F2 + OUT == LENET_ACTIVATIONS, "LENET_ACTIVATIONS");
 #endif
 
 #endif /* LENET_H */

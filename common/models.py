@@ -24,6 +24,7 @@ class Model:
     has_hidden: bool  # whether `--hidden` sizes it
     step: str  # "module:class" of its float64 step for the verifier's lockstep (common/verify.py)
     run: dict  # the chapter run, `make compare`'s defaults: epochs, train_size, batch, lr
+    convolutions: tuple[tuple[int, tuple[str, ...]], ...] = ()  # (level, its convolutions, the default first)
 
     @property
     def network(self) -> ModuleType:
@@ -33,6 +34,11 @@ class Model:
     def library(self, number: int) -> str | None:
         """The shared library of native level `number` for this network, or None."""
         return dict(self.libraries).get(number)
+
+    def variants(self, number: int) -> tuple[str | None, ...]:
+        """The convolutions of level `number` for this network, each a run of `make compare`; (None,) where it has
+        no choice."""
+        return dict(self.convolutions).get(number, (None,))
 
     def float64_step(self):
         """The class of its float64 step: (params, x, y, lr) -> the step, with the ties that explain a level's."""
@@ -44,10 +50,12 @@ MODELS: tuple[Model, ...] = (
     Model("mlp", "the MLP, 784-hidden-10", "common.model", "MLP", (1, 2, 3, 4, 5, 6, 7),
           ((4, "libmlp.so"), (5, "libmlp.so"), (6, "libmlp.so"), (7, "libmlp.so")), has_hidden=True,
           step="common.verify:MlpStep", run={"epochs": 10, "train_size": 10_000, "batch": 8, "lr": 0.01}),
-    Model("lenet", "LeNet-5", "common.lenet", "LeNet", (1, 2, 3, 4), ((4, "liblenet.so"),), has_hidden=False,
+    Model("lenet", "LeNet-5", "common.lenet", "LeNet", (1, 2, 3, 4, 5), ((4, "liblenet.so"), (5, "liblenet.so")),
+          has_hidden=False,
           step="common.lenet_verify:LeNetStep",
           # 1,250 steps: every CPU level trained and verified at each step in about 90 s on 2 cores
-          run={"epochs": 2, "train_size": 10_000, "batch": 16, "lr": 0.05}),
+          run={"epochs": 2, "train_size": 10_000, "batch": 16, "lr": 0.05},
+          convolutions=((4, ("direct", "im2col")), (5, ("direct", "tiled")))),
 )
 
 

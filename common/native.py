@@ -241,14 +241,17 @@ class NativeLeNet(NativeModel):
 
     network = property(lambda self: _lenet())
     prefix = "lenet"
-    CONVOLUTIONS = ("direct", "im2col")
+    CONVOLUTIONS = ("direct", "im2col", "tiled")  # lenet.h's LENET_DIRECT, LENET_IM2COL, LENET_TILED
 
     def __init__(self, params: dict[str, np.ndarray], convolution: str = "direct"):
         if convolution not in self.CONVOLUTIONS:
             raise ValueError(f"convolution must be one of {self.CONVOLUTIONS}, got {convolution!r}")
         super().__init__(params)
         self.convolution = convolution
-        self._check(self.lib.lenet_set_convolution(self._handle(), self.CONVOLUTIONS.index(convolution)))
+        status = self.lib.lenet_set_convolution(self._handle(), self.CONVOLUTIONS.index(convolution))
+        if status == self.lib.MLP_ERR_ARG:  # a convolution this level does not have: the library names its own
+            raise ValueError(ffi.string(self.lib.mlp_last_error()).decode(errors="replace"))
+        self._check(status)
 
     def layers(self, X: np.ndarray, y: np.ndarray) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         """Every layer's output for a batch, and the gradient of the batch's mean loss with respect to each."""

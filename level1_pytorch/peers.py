@@ -6,8 +6,8 @@ The benchmark's yardsticks for the GPU levels, measured in the same run (common/
   - Graph: one whole training step - gather the batch, forward, loss, backward, SGD update - captured once
     as a CUDA graph and replayed for every step, so that a step costs one graph launch instead of ~20
     kernel launches from Python. The strongest loop a PyTorch user would write.
-Both implement the level contract (they are level 1's MLP with another train_epoch), so the harness verifies
-them like any level before it reports their speed.
+Both implement the level contract (they are level 1's class with another train_epoch), so the harness verifies
+them like any level before it reports their speed. For each network (common/models.py): `peers("lenet")`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from common.contract import check_training, n_steps
-from level1_pytorch.mlp import MLP
+from level1_pytorch.mlp import Model
 
 
 @contextmanager
@@ -33,7 +33,7 @@ def plain_pytorch():
         torch.use_deterministic_algorithms(before)
 
 
-class Eager(MLP):
+class EagerLoop(Model):
     """Level 1's loop, without the deterministic-algorithm mode."""
 
     def __init__(self, params: dict[str, np.ndarray], device: str = "cuda"):
@@ -44,7 +44,7 @@ class Eager(MLP):
             return super().train_epoch(X, y, batch_size, lr, order)
 
 
-class Graph(MLP):
+class GraphLoop(Model):
     """One training step captured as a CUDA graph (per batch size and learning rate) and replayed step after step."""
 
     def __init__(self, params: dict[str, np.ndarray], device: str = "cuda"):
@@ -98,3 +98,15 @@ class Graph(MLP):
             self.load_state_dict(saved)  # copies in place: the graph keeps pointing at the parameters
             self._graphs = {key: (graph, index, loss)}  # one graph at a time: each holds its own memory pool
         return self._graphs[key]
+
+
+def peers(network: str = "mlp") -> dict[str, type]:
+    """The two peers of a network (common/models.py), by name: its level-1 class with each loop."""
+    from common.levels import level
+
+    base = level(1).load(network)
+    return {"torch-eager": type(f"Eager{base.__name__}", (EagerLoop, base), {"__module__": __name__}),
+            "torch-graph": type(f"Graph{base.__name__}", (GraphLoop, base), {"__module__": __name__})}
+
+
+Eager, Graph = peers("mlp").values()  # the MLP's

@@ -13,20 +13,7 @@
 
 #include "mlp.c"
 
-enum { IMAGE = 28, K = 5, C1 = 6, S1 = 24, P1 = 12, C2 = 16, S2 = 8, P2 = 4, F1 = 120, F2 = 84, OUT = 10 };
-enum { FLAT = C2 * P2 * P2 }; /* 256: pool2 flattened, channel, row, column */
-enum { CHUNK = 256 };          /* rows lenet_forward runs at a time: bounds the batch buffers (~47 MB) */
-
-/* Where each parameter starts in the flat buffer (PARAM_NAMES' order), and the sizes of one image's buffers. */
-enum {
-    W1 = 0, B1 = W1 + C1 * K * K, W2 = B1 + C1, B2 = W2 + C2 * C1 * K * K, W3 = B2 + C2, B3 = W3 + F1 * FLAT,
-    W4 = B3 + F1, B4 = W4 + F2 * F1, W5 = B4 + F2, B5 = W5 + OUT * F2, N_PARAMS = B5 + OUT
-};
-_Static_assert(N_PARAMS == LENET_PARAMS, "the parameter offsets add up to lenet.h's count");
-
-/* One image's buffers, in lenet_layers' order (h: a layer's output before its ReLU, a: after, p: after pooling). */
-enum { H1 = C1 * S1 * S1, POOL1 = C1 * P1 * P1, H2 = C2 * S2 * S2, POOL2 = FLAT };
-_Static_assert(2 * H1 + POOL1 + 2 * H2 + POOL2 + 2 * F1 + 2 * F2 + OUT == LENET_ACTIVATIONS, "lenet.h's count");
+enum { CHUNK = 256 }; /* rows lenet_forward runs at a time: bounds the batch buffers (~47 MB) */
 
 struct lenet {
     float *params, *grads; /* (N_PARAMS) each */
@@ -322,9 +309,12 @@ int lenet_get_params(lenet *m, float *params) {
     return MLP_OK;
 }
 
-int lenet_set_convolution(lenet *m, int im2col) {
-    if (!m || (im2col != 0 && im2col != 1)) return FAIL(MLP_ERR_ARG, "im2col must be 0 or 1, got %d", im2col);
-    m->im2col = im2col;
+int lenet_set_convolution(lenet *m, int convolution) {
+    if (!m) return FAIL(MLP_ERR_ARG, "NULL argument");
+    if (convolution != LENET_DIRECT && convolution != LENET_IM2COL)
+        return FAIL(MLP_ERR_ARG, "level 4's convolutions are direct and im2col (%d and %d), got %d", LENET_DIRECT,
+                    LENET_IM2COL, convolution);
+    m->im2col = convolution == LENET_IM2COL;
     return MLP_OK;
 }
 

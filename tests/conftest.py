@@ -49,14 +49,28 @@ def graded(level: int, name: str):
     return pytest.mark.task(next(t.id for t in lab.TASKS if t.level == level and t.name == name))
 
 
-def require(lv: Level, device: str, config) -> None:
-    """Skip (or, with --require-gpu, fail) when this machine cannot run the level."""
-    why = missing(lv, device)
+def require(lv: Level, device: str, config, model: str = "mlp") -> None:
+    """Skip (or, with --require-gpu, fail) when this machine cannot run the level (for a network)."""
+    why = missing(lv, device, model)
     if why:
         message = f"{lv.name} on {device} cannot run here: {'; '.join(why)}"
         if device == "cuda" and config.getoption("--require-gpu"):
             pytest.fail(message)
         pytest.skip(message)
+
+
+def sanitize(tool: str, script: str) -> None:
+    """Run a Python script under compute-sanitizer's tool (memcheck, racecheck, synccheck); fail with its report."""
+    import shutil
+    import subprocess
+    import sys
+
+    sanitizer = shutil.which("compute-sanitizer") or shutil.which("/usr/local/cuda/bin/compute-sanitizer")
+    if sanitizer is None:
+        pytest.skip("compute-sanitizer (CUDA toolkit) not found")
+    run = subprocess.run([sanitizer, "--tool", tool, "--error-exitcode", "1", sys.executable, "-c", script],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
 
 
 @pytest.fixture

@@ -13,25 +13,37 @@ import pytest
 from common import lenet, lenet_verify, verify
 from common.levels import level, missing
 from common.models import get
+from conftest import require, sanitize
 
 pytestmark = pytest.mark.lenet
 
-# (level, convolution): level 4 has two, direct loops and im2col + matrix products.
+# (level, device, variant): level 1 on either device and its two PyTorch peers (level1_pytorch/peers.py); levels 4
+# and 5 with each of their two convolutions.
+GPU1, GPU5 = [pytest.mark.level1, pytest.mark.gpu], [pytest.mark.level5, pytest.mark.gpu]
 IMPLEMENTATIONS = [
-    pytest.param((3, None), marks=pytest.mark.level3, id="level3"),
-    pytest.param((4, "direct"), marks=pytest.mark.level4, id="level4-direct"),
-    pytest.param((4, "im2col"), marks=pytest.mark.level4, id="level4-im2col"),
+    pytest.param((1, "cuda", None), marks=GPU1, id="level1-cuda"),
+    pytest.param((1, "cuda", "torch-eager"), marks=GPU1, id="torch-eager"),
+    pytest.param((1, "cuda", "torch-graph"), marks=GPU1, id="torch-graph"),
+    pytest.param((3, "cpu", None), marks=pytest.mark.level3, id="level3"),
+    pytest.param((4, "cpu", "direct"), marks=pytest.mark.level4, id="level4-direct"),
+    pytest.param((4, "cpu", "im2col"), marks=pytest.mark.level4, id="level4-im2col"),
+    pytest.param((5, "cuda", "direct"), marks=GPU5, id="level5-direct"),
+    pytest.param((5, "cuda", "tiled"), marks=GPU5, id="level5-tiled"),
 ]
 
 
 @pytest.fixture
 def make(request):
     """params -> a fresh LeNet of the implementation under test (skips where this machine cannot run it)."""
-    number, convolution = request.param if hasattr(request, "param") else request.getfixturevalue("impl")
-    if why := missing(level(number), "cpu", "lenet"):
-        pytest.skip(f"level {number} cannot run here: {'; '.join(why)}")
+    number, device, variant = request.param if hasattr(request, "param") else request.getfixturevalue("impl")
+    require(level(number), device, request.config, "lenet")
+    if number == 1:
+        from level1_pytorch.peers import peers
+
+        cls = peers("lenet")[variant] if variant else level(1).load("lenet")
+        return lambda params: cls(params, device=device)
     cls = level(number).load("lenet")
-    return (lambda params: cls(params, convolution=convolution)) if convolution else cls
+    return (lambda params: cls(params, convolution=variant)) if variant else cls
 
 
 def reference(params):
@@ -152,20 +164,73 @@ def test_bad_input_is_named(make, trained, digits, impl):
         make({k: v for k, v in trained.items() if k != "fc3.bias"})
 
 
-@pytest.mark.level4
-def test_level4_convolutions_direct_and_im2col_agree(trained, digits):
-    if why := missing(level(4), "cpu", "lenet"):
-        pytest.skip("; ".join(why))
-    cls = level(4).load("lenet")
-    direct, im2col = (cls(trained, convolution=c).layers(*digits)[0] for c in ("direct", "im2col"))
+@pytest.mark.parametrize("number, device, other", [pytest.param(4, "cpu", "im2col", marks=pytest.mark.level4, id="level4"),
+                                                  pytest.param(5, "cuda", "tiled", marks=[pytest.mark.level5,
+                                                                                          pytest.mark.gpu], id="level5")])
+def test_each_levels_two_convolutions_agree(request, trained, digits, number, device, other):
+    """The lesson of the level against its direct convolution, every layer. The tiled kernel adds the same terms in
+    the same order as the direct one, so it must give the same bits; im2col's matrix product adds them its own way."""
+    require(level(number), device, request.config, "lenet")
+    cls = level(number).load("lenet")
+    direct, lesson = (cls(trained, convolution=c).layers(*digits) for c in ("direct", other))
     for name in lenet.ACTIVATIONS:
-        np.testing.assert_allclose(direct[name], im2col[name], rtol=1e-4, atol=1e-5)
+        if other == "tiled":
+            np.testing.assert_array_equal(direct[0][name], lesson[0][name], err_msg=name)
+            np.testing.assert_array_equal(direct[1][name], lesson[1][name], err_msg=name)
+        else:
+            np.testing.assert_allclose(direct[0][name], lesson[0][name], rtol=1e-4, atol=1e-5, err_msg=name)
     with pytest.raises(ValueError, match="convolution"):
         cls(trained, convolution="fft")
+    missing_one = {"im2col": "tiled", "tiled": "im2col"}[other]  # the other level's lesson: named, refused
+    with pytest.raises(ValueError, match=f"level {number}'s convolutions are direct and {other}"):
+        cls(trained, convolution=missing_one)
+
+
+@pytest.mark.level5
+@pytest.mark.gpu
+@pytest.mark.parametrize("convolution", ["direct", "tiled"])
+def test_level5_reruns_are_bit_identical_at_odd_sizes(request, mnist, convolution):
+    """No atomics anywhere: two runs give the same bits. Batches of 37 (tiles cut by the edge of the batch) and a
+    forward pass across FORWARD_CHUNK (1,030 rows), against level 4."""
+    require(level(5), "cuda", request.config, "lenet")
+    X, y = mnist[0][:1030], mnist[1][:1030]
+    runs = []
+    for _ in range(2):
+        model = level(5).load("lenet")(lenet.init_params(3), convolution=convolution)
+        runs.append((model.train_epoch(X[:370], y[:370], 37, 0.05), model.forward(X), model.state_dict()))
+    np.testing.assert_array_equal(runs[0][0], runs[1][0])
+    np.testing.assert_array_equal(runs[0][1], runs[1][1])
+    cpu = level(4).load("lenet")(runs[0][2])
+    np.testing.assert_allclose(runs[0][1], cpu.forward(X), rtol=1e-4, atol=1e-4)
+
+
+# Partial batches (75 = 2 x 37 + 1), tiles cut by the image's edge, a forward pass across FORWARD_CHUNK (1,030 rows).
+SANITIZER_SCRIPT = """
+import numpy as np
+from common.lenet import init_params
+from level5_cuda_naive import LeNet
+rng = np.random.default_rng(0)
+X, y = rng.standard_normal((1030, 784)).astype(np.float32), rng.integers(0, 10, 1030)
+for convolution in ("direct", "tiled"):
+    model = LeNet(init_params(0), convolution=convolution)
+    model.train_epoch(X[:75], y[:75], 37, 0.05)
+    model.forward(X)
+    model.layers(X[:5], y[:5])
+"""
+
+
+@pytest.mark.level5
+@pytest.mark.gpu
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])
+def test_level5_kernels_are_clean_under_compute_sanitizer(request, tool):
+    """A read past the halo, a tile read before every thread has written it, a barrier some threads skip: none need
+    change a loss, and compute-sanitizer sees each."""
+    require(level(5), "cuda", request.config, "lenet")
+    sanitize(tool, SANITIZER_SCRIPT)
 
 
 def test_the_model_list_names_each_networks_parts():
     model = get("lenet")
-    assert model.network is lenet and model.levels == (1, 2, 3, 4) and model.float64_step() is lenet_verify.LeNetStep
+    assert model.network is lenet and model.levels == (1, 2, 3, 4, 5) and model.float64_step() is lenet_verify.LeNetStep
     assert "no model 'resnet'" in str(pytest.raises(KeyError, get, "resnet").value)
-    assert "does not implement LeNet-5" in missing(level(5), "cpu", "lenet")[0]
+    assert "does not implement LeNet-5" in missing(level(6), "cpu", "lenet")[0]

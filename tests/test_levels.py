@@ -13,7 +13,7 @@ import torch
 from common import verify
 from common.compare import epoch_order
 from common.model import PARAM_NAMES, init_params
-from conftest import ALL, OWN_KERNELS, implementation_params, reference, train, twin
+from conftest import ALL, OWN_KERNELS, implementation_params, reference, sanitize, train, twin
 
 # Against level 1's own runs: every implementation but level 1 on the CPU itself.
 chapter_against_level1 = pytest.mark.parametrize("impl", implementation_params())
@@ -249,17 +249,5 @@ for hidden, batch in ((37, 13), (1, 1), (256, 8), (1024, 64)):
 def test_kernels_are_clean_under_compute_sanitizer(impl, factory, tool):
     """An out-of-bounds access, a shared-memory race or a misused barrier need not change a single loss;
     compute-sanitizer's memcheck, racecheck and synccheck see them."""
-    import shutil
-    import subprocess
-    import sys
-
     lv, _ = impl
-    sanitizer = shutil.which("compute-sanitizer") or shutil.which("/usr/local/cuda/bin/compute-sanitizer")
-    if sanitizer is None:
-        pytest.skip("compute-sanitizer (CUDA toolkit) not found")
-    run = subprocess.run(
-        [sanitizer, "--tool", tool, "--error-exitcode", "1", sys.executable, "-c",
-         MEMCHECK_SCRIPT.format(package=lv.package)],
-        capture_output=True, text=True, timeout=600,
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    sanitize(tool, MEMCHECK_SCRIPT.format(package=lv.package))
