@@ -27,8 +27,9 @@ $(VENV)/.installed: pyproject.toml
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q torch==2.13.0 || $(VENV)/bin/pip install -q torch
 	$(VENV)/bin/pip install -q -e '.[test]'
-	@# nvcc without the toolkit's cuBLAS (as in CI): the nvidia-cublas wheel, so level 6 builds too.
+	@# nvcc without the toolkit's cuBLAS and cuDNN (as in CI): their wheels (cuDNN's: about 520 MB), so level 6 builds.
 	if [ -n "$(NVCC)" ] && [ ! -f "$(CUDA_HOME)/include/cublas_v2.h" ]; then $(VENV)/bin/pip install -q -e '.[cublas]'; fi
+	if [ -n "$(NVCC)" ] && [ ! -f "$(CUDA_HOME)/include/cudnn.h" ]; then $(VENV)/bin/pip install -q -e '.[cudnn]'; fi
 	touch $@
 
 venv: $(VENV)/.installed
@@ -47,7 +48,7 @@ level5_cuda_naive/libmlp.so: level5_cuda_naive/mlp.cu common/cuda_mlp.cuh common
 	@[ -n "$(NVCC)" ] || { echo "level 5 needs nvcc (the CUDA toolkit)"; exit 1; }
 	$(NVCC) $(NVFLAGS) -Icommon -o $@ $<
 # LeNet-5: lenet.cu includes mlp.cu, whose kernels it reuses for the fully connected layers.
-level5_cuda_naive/liblenet.so: level5_cuda_naive/lenet.cu level5_cuda_naive/mlp.cu common/cuda_mlp.cuh common/lenet.h \
+level5_cuda_naive/liblenet.so: level5_cuda_naive/lenet.cu level5_cuda_naive/mlp.cu common/cuda_lenet.cuh common/cuda_mlp.cuh common/lenet.h \
 		common/mlp.h common/mlp_status.h
 	@[ -n "$(NVCC)" ] || { echo "level 5 needs nvcc (the CUDA toolkit)"; exit 1; }
 	$(NVCC) $(NVFLAGS) -Icommon -o $@ $<
@@ -65,9 +66,23 @@ define build_with_cublas
 	$(NVCC) $(NVFLAGS) -Icommon -I$(CUBLAS_HOME)/include -o $@ $< \
 		-L$(dir $(CUBLAS_LIB)) -l:$(notdir $(CUBLAS_LIB)) -Xlinker -rpath,$(dir $(CUBLAS_LIB))
 endef
-level6: level6_cublas/libmlp.so
+# cuDNN, for LeNet-5's convolutions at level 6: from the CUDA toolkit when it has it, else from the nvidia-cudnn-cu13
+# wheel (pip install -e '.[cudnn]'), which, like cuBLAS's, ships libcudnn.so.9 but no unversioned libcudnn.so.
+# Without cuDNN, level 6 builds the MLP's library only, and says so.
+CUDNN_HOME ?= $(shell if [ -f $(CUDA_HOME)/include/cudnn.h ]; then echo $(CUDA_HOME); \
+	else $(PYTHON) -c 'import nvidia.cudnn as c; print(list(c.__path__)[0])' 2>/dev/null; fi)
+CUDNN_LIB := $(firstword $(wildcard $(CUDNN_HOME)/lib64/libcudnn.so $(CUDNN_HOME)/lib/libcudnn.so.9))
+level6: level6_cublas/libmlp.so $(if $(CUDNN_LIB),level6_cublas/liblenet.so,no-cudnn)
 level6_cublas/libmlp.so: level6_cublas/mlp.cu common/cuda_mlp.cuh common/mlp.h common/mlp_status.h
 	$(build_with_cublas)
+level6_cublas/liblenet.so: level6_cublas/lenet.cu level6_cublas/mlp.cu common/cuda_lenet.cuh common/cuda_mlp.cuh \
+		common/lenet.h common/mlp.h common/mlp_status.h
+	$(build_with_cublas) -I$(CUDNN_HOME)/include -L$(dir $(CUDNN_LIB)) -l:$(notdir $(CUDNN_LIB)) \
+		-Xlinker -rpath,$(dir $(CUDNN_LIB))
+no-cudnn:
+	@echo "note: level6_cublas/liblenet.so (LeNet-5 at level 6) is not built: it needs cuDNN, the CUDA toolkit's or" \
+		"the wheel's: $(PYTHON) -m pip install -e '.[cudnn]'"
+.PHONY: no-cudnn
 
 level7: level7_fused/libmlp.so
 level7_fused/libmlp.so: level7_fused/mlp.cu level6_cublas/mlp.cu common/cuda_mlp.cuh common/mlp.h common/mlp_status.h
@@ -157,4 +172,4 @@ notebooks: $(ENV) levels
 	$(VENV)/bin/jupyter lab
 
 clean:
-	rm -rf level4_c/libmlp.so level4_c/liblenet.so level5_cuda_naive/libmlp.so level5_cuda_naive/liblenet.so level6_cublas/libmlp.so level7_fused/libmlp.so build
+	rm -rf level4_c/libmlp.so level4_c/liblenet.so level5_cuda_naive/libmlp.so level5_cuda_naive/liblenet.so level6_cublas/libmlp.so level6_cublas/liblenet.so level7_fused/libmlp.so build

@@ -2,7 +2,8 @@
  *
  * What this adds over level4_c/lenet.c: each of its loop nests becomes a kernel with one thread per output, as the
  * MLP's did at this level; the fully connected layers, ReLU, softmax, the batch gather and SGD are the MLP's kernels
- * (mlp.cu and common/cuda_mlp.cuh, included below). The backward pass uses no atomics: dx is gathered, one thread
+ * (mlp.cu, included below), and the model on the device and the step are common/cuda_lenet.cuh, shared with level 6.
+ * The backward pass uses no atomics: dx is gathered, one thread
  * per input element summing the outputs it fed, and dw is one thread per weight summing its batch and positions in
  * a fixed order, so reruns are bit-identical.
  *
@@ -11,11 +12,12 @@
  * keeps what it reads in registers and reuses it for several outputs. lenet_set_convolution chooses (LENET_DIRECT
  * or LENET_TILED); both are verified, and `python -m level5_cuda_naive.tiling` measures them against each other.
  *
- * Implements common/lenet.h. Build: `make level5`; test: `pytest -m level5 -k lenet` on a GPU machine.
+ * Implements common/lenet.h with common/cuda_lenet.cuh. Build: `make level5`; test: `pytest -m "lenet and level5"` on a
+ * GPU machine.
  */
-#include "lenet.h"
-
 #include "mlp.cu"
+
+#include "cuda_lenet.cuh"
 
 /* The tiled convolution's shape (-D to try others): a block computes a CONV_TILE x CONV_TILE square of outputs of
  * CONV_IMAGES images for CONV_FILTERS filters, each thread CONV_COLUMNS of a row. */
@@ -31,29 +33,6 @@
 #ifndef CONV_COLUMNS
 #define CONV_COLUMNS 2
 #endif
-
-struct lenet {
-    mlp base;              /* what the MLP's layer functions read: the stream (and, at level 6, the cuBLAS handle) */
-    int convolution;       /* LENET_DIRECT or LENET_TILED */
-    /* Everything below is in device memory. */
-    float *params, *grads; /* (N_PARAMS) each, in lenet.h's flat layout */
-    int capacity;          /* rows the per-batch buffers below can hold */
-    float *batch;          /* one block for all of them: */
-    float *x;              /* (capacity, 784) the batch */
-    float *h1, *a1, *p1, *h2, *a2, *p2, *f1, *r3, *f2, *r4, *logits; /* each layer's output (capacity, size) */
-    float *dh1, *da1, *dp1, *dh2, *da2, *dp2, *df1, *dr3, *df2, *dr4, *dlogits; /* the gradients, same shapes */
-    float *row_loss;       /* (capacity) each row's cross-entropy, before the mean */
-    int *ints;             /* one block for: */
-    int *y;                /* (capacity) the batch's labels */
-    int *choice1, *choice2; /* (capacity, 6 * 12 * 12) and (capacity, 256): each pool window's maximum, 0..3 */
-    float *data_x;         /* (n_data, 784) the training set, uploaded once by lenet_set_data */
-    int *data_y;           /* (n_data) */
-    int n_data;
-    int *order;            /* (order_capacity) an epoch's visiting order */
-    int order_capacity;
-    float *losses;         /* (loss_capacity) an epoch's per-step losses */
-    int loss_capacity;
-};
 
 /* ---- the convolution, direct: one thread per output; forward followed by backward ---- */
 
@@ -253,277 +232,36 @@ static int maxpool_backward(lenet *m, float *da, const float *dout, const int *c
     return MLP_OK;
 }
 
-/* ---- the step: level 4's, line for line; each call queued on the stream ---- */
+/* ---- the hooks of common/cuda_lenet.cuh ---- */
 
-/* A convolution layer with its bias, by the model's chosen algorithm: out (B, F, OH, OH) from x (B, C, H, H). */
-static int conv_layer(lenet *m, float *out, const float *x, const float *w, const float *b, int B, int C, int H,
-                      int F) {
-    return m->convolution == LENET_TILED ? conv2d_forward_tiled(m, out, x, w, b, B, C, H, F)
-                                         : conv2d_forward(m, out, x, w, b, B, C, H, F, K);
+static int conv_layer(lenet *m, int layer, float *out, const float *x, const float *w, const float *b, int B) {
+    const conv_shape s = CONV[layer];
+    return m->convolution == LENET_TILED ? conv2d_forward_tiled(m, out, x, w, b, B, s.C, s.H, s.F)
+                                         : conv2d_forward(m, out, x, w, b, B, s.C, s.H, s.F, K);
 }
 
-/* A fully connected layer: out (B, n_out) = x (B, n_in) @ w^T + b, through the MLP's two kernels. */
-static int fc_layer(lenet *m, float *out, const float *x, const float *w, const float *b, int B, int n_in, int n_out) {
-    const int status = linear_forward(&m->base, out, x, w, B, n_in, n_out);
-    return status ? status : bias_forward(&m->base, out, b, B, n_out);
+static int conv_layer_backward(lenet *m, int layer, float *dx, float *dw, float *db, const float *dout, const float *x,
+                               const float *w, int B) {
+    const conv_shape s = CONV[layer];
+    return conv2d_backward(m, dx, dw, db, dout, x, w, B, s.C, s.H, s.F, K);
 }
 
-/* Its backward: dw, db and dx from dout (B, n_out). */
-static int fc_layer_backward(lenet *m, float *dx, float *dw, float *db, const float *dout, const float *x,
-                             const float *w, int B, int n_in, int n_out) {
-    const int status = linear_backward(&m->base, dx, dw, dout, x, w, B, n_in, n_out);
-    return status ? status : bias_backward(&m->base, db, dout, B, n_out);
+static int pool_layer(lenet *m, int layer, float *out, const float *a, int B) {
+    return maxpool_forward(m, out, layer ? m->choice2 : m->choice1, a, B, POOL[layer].C, POOL[layer].H);
 }
 
-/* Forward of a batch x (B, 784) (device): every layer's output into the model's buffers. */
-static int net_forward(lenet *m, const float *x, int B) {
-    const float *p = m->params;
-    mlp *base = &m->base;
-    int status = conv_layer(m, m->h1, x, p + W1, p + B1, B, 1, IMAGE, C1);
-    if (!status) status = relu_forward(base, m->a1, m->h1, (size_t)B * H1);
-    if (!status) status = maxpool_forward(m, m->p1, m->choice1, m->a1, B, C1, S1);
-    if (!status) status = conv_layer(m, m->h2, m->p1, p + W2, p + B2, B, C1, P1, C2);
-    if (!status) status = relu_forward(base, m->a2, m->h2, (size_t)B * H2);
-    if (!status) status = maxpool_forward(m, m->p2, m->choice2, m->a2, B, C2, S2);
-    if (!status) status = fc_layer(m, m->f1, m->p2, p + W3, p + B3, B, FLAT, F1);
-    if (!status) status = relu_forward(base, m->r3, m->f1, (size_t)B * F1);
-    if (!status) status = fc_layer(m, m->f2, m->r3, p + W4, p + B4, B, F1, F2);
-    if (!status) status = relu_forward(base, m->r4, m->f2, (size_t)B * F2);
-    if (!status) status = fc_layer(m, m->logits, m->r4, p + W5, p + B5, B, F2, OUT);
-    return status;
+static int pool_layer_backward(lenet *m, int layer, float *da, const float *dout, const float *, const float *, int B) {
+    return maxpool_backward(m, da, dout, layer ? m->choice2 : m->choice1, B, POOL[layer].C, POOL[layer].H);
 }
 
-/* Forward and backward of one batch x (B, 784), y (B) (device): the mean loss to *loss (device), the gradients to
- * m->grads, every layer's output and gradient to its buffer. */
-static int net_forward_backward(lenet *m, float *loss, const float *x, const int *y, int B) {
-    const float *p = m->params;
-    float *g = m->grads;
-    mlp *base = &m->base;
-    int status = net_forward(m, x, B);
-    if (!status) status = softmax_xent_forward(base, loss, m->dlogits, m->row_loss, m->logits, y, B, OUT);
-    if (!status) status = softmax_xent_backward(base, m->dlogits, m->dlogits, y, B, OUT);
-    if (!status) status = fc_layer_backward(m, m->dr4, g + W5, g + B5, m->dlogits, m->r4, p + W5, B, F2, OUT);
-    if (!status) status = relu_backward(base, m->df2, m->dr4, m->f2, (size_t)B * F2);
-    if (!status) status = fc_layer_backward(m, m->dr3, g + W4, g + B4, m->df2, m->r3, p + W4, B, F1, F2);
-    if (!status) status = relu_backward(base, m->df1, m->dr3, m->f1, (size_t)B * F1);
-    if (!status) status = fc_layer_backward(m, m->dp2, g + W3, g + B3, m->df1, m->p2, p + W3, B, FLAT, F1);
-    if (!status) status = maxpool_backward(m, m->da2, m->dp2, m->choice2, B, C2, S2);
-    if (!status) status = relu_backward(base, m->dh2, m->da2, m->h2, (size_t)B * H2);
-    if (!status) status = conv2d_backward(m, m->dp1, g + W2, g + B2, m->dh2, m->p1, p + W2, B, C1, P1, C2, K);
-    if (!status) status = maxpool_backward(m, m->da1, m->dp1, m->choice1, B, C1, S1);
-    if (!status) status = relu_backward(base, m->dh1, m->da1, m->h1, (size_t)B * H1);
-    if (!status) status = conv2d_backward(m, NULL, g + W1, g + B1, m->dh1, x, p + W1, B, 1, IMAGE, C1, K);
-    return status;
-}
-
-/* ---- memory: the model owns every buffer; the batch's grow only when a larger batch arrives ---- */
-
-enum { GPU_ROW_FLOATS = IMAGE * IMAGE + 2 * LENET_ACTIVATIONS + 1, ROW_INTS = 1 + POOL1 + POOL2 };
-
-static cudaError_t free_batch(lenet *m) {
-    const cudaError_t err = free_device({m->batch, m->ints});
-    m->batch = NULL, m->ints = NULL;
-    m->capacity = 0;
-    return err;
-}
-
-/* Make the per-batch buffers hold `rows` rows: one block of floats and one of ints, cut into the buffers. */
-static int ensure_batch(lenet *m, int rows) {
-    if (rows <= m->capacity) return MLP_OK;
-    const int status = check_elements(rows, LENET_ROW_FLOATS); /* the binding's bound, the same at every level */
-    if (status) return status;
-    CUDA_CHECK(free_batch(m));
-    const size_t R = (size_t)rows;
-    CUDA_CHECK(cudaMalloc(&m->batch, sizeof(float) * R * GPU_ROW_FLOATS));
-    CUDA_CHECK(cudaMalloc(&m->ints, sizeof(int) * R * ROW_INTS));
-    float *next = m->batch;
-    float **buffers[] = {&m->x, &m->h1, &m->a1, &m->p1, &m->h2, &m->a2, &m->p2, &m->f1, &m->r3, &m->f2, &m->r4,
-                         &m->logits, &m->dh1, &m->da1, &m->dp1, &m->dh2, &m->da2, &m->dp2, &m->df1, &m->dr3, &m->df2,
-                         &m->dr4, &m->dlogits, &m->row_loss};
-    const int sizes[] = {IMAGE * IMAGE, H1, H1, POOL1, H2, H2, POOL2, F1, F1, F2, F2, OUT, H1, H1, POOL1, H2, H2,
-                         POOL2, F1, F1, F2, F2, OUT, 1};
-    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
-        *buffers[i] = next;
-        next += R * sizes[i];
-    }
-    m->y = m->ints, m->choice1 = m->y + R, m->choice2 = m->choice1 + R * POOL1;
-    m->capacity = rows;
-    return MLP_OK;
-}
-
-/* The stream, the level's state, and zeroed parameters and gradients on the device. */
-static int init_model(lenet *m) {
-    CUDA_CHECK(cudaStreamCreateWithFlags(&m->base.stream, cudaStreamNonBlocking));
-    const int status = level_create(&m->base);
-    if (status) return status;
-    CUDA_CHECK(cudaMalloc(&m->params, sizeof(float) * N_PARAMS));
-    CUDA_CHECK(cudaMalloc(&m->grads, sizeof(float) * N_PARAMS));
-    CUDA_CHECK(cudaMemsetAsync(m->params, 0, sizeof(float) * N_PARAMS, m->base.stream));
-    CUDA_CHECK(cudaMemsetAsync(m->grads, 0, sizeof(float) * N_PARAMS, m->base.stream));
-    CUDA_CHECK(cudaStreamSynchronize(m->base.stream));
-    return MLP_OK;
-}
-
-/* ---- the interface of lenet.h: host arrays in and out, each function synchronizing once, at its end ---- */
-
-int lenet_create(lenet **out) {
-    if (!out) return FAIL(MLP_ERR_ARG, "out is NULL");
-    *out = NULL;
-    int devices = 0;
-    const cudaError_t err = cudaGetDeviceCount(&devices);
-    if (err != cudaSuccess || devices == 0) {
-        (void)cudaGetLastError();
-        return FAIL(MLP_ERR_DEVICE, "no CUDA device: %s",
-                    err != cudaSuccess ? cudaGetErrorString(err) : "cudaGetDeviceCount found none");
-    }
-    lenet *m = static_cast<lenet *>(calloc(1, sizeof *m));
-    if (!m) return FAIL(MLP_ERR_ALLOC, "out of memory for the model");
-    const int status = init_model(m);
-    if (status) {
-        lenet_destroy(m);
-        return status;
-    }
-    *out = m;
-    return MLP_OK;
-}
-
-int lenet_destroy(lenet *m) {
-    if (!m) return MLP_OK;
-    int status = level_destroy(&m->base);
-    cudaError_t err = free_device({m->params, m->grads, m->data_x, m->data_y, m->order, m->losses});
-    const cudaError_t batch_err = free_batch(m);
-    if (err == cudaSuccess) err = batch_err;
-    if (m->base.stream) {
-        const cudaError_t stream_err = cudaStreamDestroy(m->base.stream);
-        if (err == cudaSuccess) err = stream_err;
-    }
-    free(m);
-    if (!status && err != cudaSuccess) status = cuda_fail(err, "cudaFree / cudaStreamDestroy", __FILE__, __LINE__);
-    return status;
-}
-
-int lenet_set_params(lenet *m, const float *params) {
-    if (!m || !params) return FAIL(MLP_ERR_ARG, "NULL argument");
-    CUDA_CHECK(cudaMemcpyAsync(m->params, params, sizeof(float) * N_PARAMS, cudaMemcpyHostToDevice, m->base.stream));
-    CUDA_CHECK(cudaStreamSynchronize(m->base.stream));
-    return MLP_OK;
-}
-
-int lenet_get_params(lenet *m, float *params) {
-    if (!m || !params) return FAIL(MLP_ERR_ARG, "NULL argument");
-    CUDA_CHECK(cudaMemcpyAsync(params, m->params, sizeof(float) * N_PARAMS, cudaMemcpyDeviceToHost, m->base.stream));
-    CUDA_CHECK(cudaStreamSynchronize(m->base.stream));
-    return MLP_OK;
-}
-
-int lenet_set_convolution(lenet *m, int convolution) {
-    if (!m) return FAIL(MLP_ERR_ARG, "NULL argument");
+static int check_convolution(int convolution) {
     if (convolution != LENET_DIRECT && convolution != LENET_TILED)
         return FAIL(MLP_ERR_ARG, "level 5's convolutions are direct and tiled (%d and %d), got %d", LENET_DIRECT,
                     LENET_TILED, convolution);
-    m->convolution = convolution;
     return MLP_OK;
 }
 
-int lenet_forward(lenet *m, float *logits, const float *x, int n) {
-    if (!m || !logits || !x) return FAIL(MLP_ERR_ARG, "NULL argument");
-    if (n < 1) return FAIL(MLP_ERR_ARG, "n must be >= 1, got %d", n);
-    int status = ensure_batch(m, n < FORWARD_CHUNK ? n : FORWARD_CHUNK);
-    if (status) return status;
-    for (int start = 0; start < n; start += FORWARD_CHUNK) {
-        const int B = n - start < FORWARD_CHUNK ? n - start : FORWARD_CHUNK;
-        CUDA_CHECK(cudaMemcpyAsync(m->x, x + (size_t)start * IMAGE * IMAGE, sizeof(float) * (size_t)B * IMAGE * IMAGE,
-                                   cudaMemcpyHostToDevice, m->base.stream));
-        status = net_forward(m, m->x, B);
-        if (status) return status;
-        CUDA_CHECK(cudaMemcpyAsync(logits + (size_t)start * OUT, m->logits, sizeof(float) * (size_t)B * OUT,
-                                   cudaMemcpyDeviceToHost, m->base.stream));
-    }
-    CUDA_CHECK(cudaStreamSynchronize(m->base.stream));
-    return MLP_OK;
-}
-
-/* The batch x (n, 784), y (n) uploaded and stepped forward and backward: the start of loss_and_grads and layers. */
-static int forward_backward_batch(lenet *m, const float *x, const int *y, int n) {
-    int status = check_labels(y, n, OUT);
-    if (!status) status = ensure_batch(m, n);
-    if (!status) status = ensure_buffer(&m->losses, &m->loss_capacity, 1);
-    if (status) return status;
-    CUDA_CHECK(cudaMemcpyAsync(m->x, x, sizeof(float) * (size_t)n * IMAGE * IMAGE, cudaMemcpyHostToDevice,
-                               m->base.stream));
-    CUDA_CHECK(cudaMemcpyAsync(m->y, y, sizeof(int) * (size_t)n, cudaMemcpyHostToDevice, m->base.stream));
-    return net_forward_backward(m, m->losses, m->x, m->y, n);
-}
-
-int lenet_loss_and_grads(lenet *m, float *loss, float *grads, const float *x, const int *y, int n) {
-    if (!m || !loss || !grads || !x || !y) return FAIL(MLP_ERR_ARG, "NULL argument");
-    if (n < 1) return FAIL(MLP_ERR_ARG, "n must be >= 1, got %d", n);
-    const int status = forward_backward_batch(m, x, y, n);
-    if (status) return status;
-    CUDA_CHECK(cudaMemcpyAsync(loss, m->losses, sizeof(float), cudaMemcpyDeviceToHost, m->base.stream));
-    CUDA_CHECK(cudaMemcpyAsync(grads, m->grads, sizeof(float) * N_PARAMS, cudaMemcpyDeviceToHost, m->base.stream));
-    CUDA_CHECK(cudaStreamSynchronize(m->base.stream));
-    return MLP_OK;
-}
-
-int lenet_layers(lenet *m, float *outputs, float *grads, const float *x, const int *y, int n) {
-    if (!m || !outputs || !grads || !x || !y) return FAIL(MLP_ERR_ARG, "NULL argument");
-    if (n < 1) return FAIL(MLP_ERR_ARG, "n must be >= 1, got %d", n);
-    const int status = forward_backward_batch(m, x, y, n);
-    if (status) return status;
-    const float *out[] = {m->h1, m->a1, m->p1, m->h2, m->a2, m->p2, m->f1, m->r3, m->f2, m->r4, m->logits};
-    const float *grad[] = {m->dh1, m->da1, m->dp1, m->dh2, m->da2, m->dp2, m->df1, m->dr3, m->df2, m->dr4, m->dlogits};
-    const int sizes[] = {H1, H1, POOL1, H2, H2, POOL2, F1, F1, F2, F2, OUT};
-    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
-        const size_t bytes = sizeof(float) * (size_t)n * sizes[i];
-        CUDA_CHECK(cudaMemcpyAsync(outputs, out[i], bytes, cudaMemcpyDeviceToHost, m->base.stream));
-        CUDA_CHECK(cudaMemcpyAsync(grads, grad[i], bytes, cudaMemcpyDeviceToHost, m->base.stream));
-        outputs += (size_t)n * sizes[i], grads += (size_t)n * sizes[i];
-    }
-    CUDA_CHECK(cudaStreamSynchronize(m->base.stream));
-    return MLP_OK;
-}
-
-/* One upload; every epoch then gathers its batches on the device. */
-int lenet_set_data(lenet *m, const float *x, const int *y, int n) {
-    if (!m || !x || !y) return FAIL(MLP_ERR_ARG, "NULL argument");
-    if (n < 1) return FAIL(MLP_ERR_ARG, "n must be >= 1, got %d", n);
-    const int status = check_labels(y, n, OUT);
-    if (status) return status;
-    m->n_data = 0; /* no data set until the new one is complete */
-    CUDA_CHECK(free_device({m->data_x, m->data_y}));
-    m->data_x = NULL, m->data_y = NULL;
-    CUDA_CHECK(cudaMalloc(&m->data_x, sizeof(float) * (size_t)n * IMAGE * IMAGE));
-    CUDA_CHECK(cudaMalloc(&m->data_y, sizeof(int) * (size_t)n));
-    CUDA_CHECK(cudaMemcpyAsync(m->data_x, x, sizeof(float) * (size_t)n * IMAGE * IMAGE, cudaMemcpyHostToDevice,
-                               m->base.stream));
-    CUDA_CHECK(cudaMemcpyAsync(m->data_y, y, sizeof(int) * (size_t)n, cudaMemcpyHostToDevice, m->base.stream));
-    CUDA_CHECK(cudaStreamSynchronize(m->base.stream));
-    m->n_data = n;
-    return MLP_OK;
-}
-
-/* The whole epoch queued on the stream without a wait: per step, gather, forward and backward, one SGD update of
- * the flat parameter buffer; the losses come back in one copy at the end. */
-int lenet_train_epoch(lenet *m, float *losses, const int *order, int n_order, int batch_size, float lr) {
-    if (!m || !losses || !order) return FAIL(MLP_ERR_ARG, "NULL argument");
-    int status = check_epoch(order, n_order, batch_size, m->n_data);
-    if (status) return status;
-    const int steps = n_order / batch_size + (n_order % batch_size != 0);
-    status = ensure_batch(m, batch_size < n_order ? batch_size : n_order);
-    if (!status) status = ensure_buffer(&m->order, &m->order_capacity, n_order);
-    if (!status) status = ensure_buffer(&m->losses, &m->loss_capacity, steps);
-    if (status) return status;
-    CUDA_CHECK(cudaMemcpyAsync(m->order, order, sizeof(int) * (size_t)n_order, cudaMemcpyHostToDevice, m->base.stream));
-    for (int start = 0, step = 0; start < n_order; start += batch_size, step++) {
-        const int B = n_order - start < batch_size ? n_order - start : batch_size;
-        status = gather(&m->base, m->x, m->y, m->data_x, m->data_y, m->order + start, B, IMAGE * IMAGE);
-        if (!status) status = net_forward_backward(m, m->losses + step, m->x, m->y, B);
-        if (!status) status = sgd_update(&m->base, m->params, m->grads, lr, N_PARAMS);
-        if (status) return status;
-    }
-    CUDA_CHECK(cudaMemcpyAsync(losses, m->losses, sizeof(float) * (size_t)steps, cudaMemcpyDeviceToHost,
-                               m->base.stream));
-    CUDA_CHECK(cudaStreamSynchronize(m->base.stream));
-    return MLP_OK;
-}
+/* Level 5's kernels need nothing but the model's stream and buffers. */
+static int level_state_create(lenet *) { return MLP_OK; }
+static int level_state_reserve(lenet *, int) { return MLP_OK; }
+static int level_state_destroy(lenet *) { return MLP_OK; }

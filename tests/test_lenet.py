@@ -18,8 +18,8 @@ from conftest import require, sanitize
 pytestmark = pytest.mark.lenet
 
 # (level, device, variant): level 1 on either device and its two PyTorch peers (level1_pytorch/peers.py); levels 4
-# and 5 with each of their two convolutions.
-GPU1, GPU5 = [pytest.mark.level1, pytest.mark.gpu], [pytest.mark.level5, pytest.mark.gpu]
+# and 5 with each of their two convolutions; level 6 (cuDNN).
+GPU1, GPU5, GPU6 = ([getattr(pytest.mark, f"level{n}"), pytest.mark.gpu] for n in (1, 5, 6))
 IMPLEMENTATIONS = [
     pytest.param((1, "cuda", None), marks=GPU1, id="level1-cuda"),
     pytest.param((1, "cuda", "torch-eager"), marks=GPU1, id="torch-eager"),
@@ -29,6 +29,7 @@ IMPLEMENTATIONS = [
     pytest.param((4, "cpu", "im2col"), marks=pytest.mark.level4, id="level4-im2col"),
     pytest.param((5, "cuda", "direct"), marks=GPU5, id="level5-direct"),
     pytest.param((5, "cuda", "tiled"), marks=GPU5, id="level5-tiled"),
+    pytest.param((6, "cuda", None), marks=GPU6, id="level6"),
 ]
 
 
@@ -142,6 +143,18 @@ def test_a_partial_batch_is_a_smaller_step(make, trained, digits, impl):
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_an_epoch_of_many_steps_follows_level1(make, trained, mnist, impl):
+    """Ten steps in one call (lockstep takes one per call): each step must take its own rows - level 6 replays a
+    captured step, which must not keep the first step's - and a second data set and learning rate must be taken up.
+    The losses of a few steps from the same parameters agree to float32 noise (measured: ~1e-6 relative)."""
+    model, want = make(trained), reference(trained)
+    for X, y, lr in ((mnist[0][:160], mnist[1][:160], 0.05), (mnist[0][160:320], mnist[1][160:320], 0.02)):
+        np.testing.assert_allclose(model.train_epoch(X, y, 16, lr), want.train_epoch(X, y, 16, lr), rtol=1e-4)
+    for name, value in want.state_dict().items():
+        np.testing.assert_allclose(model.state_dict()[name], value, rtol=1e-3, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 def test_loss_and_grads_leave_the_parameters(make, trained, digits, impl):
     model = make(trained)
     loss, grads = model.loss_and_grads(*digits)
@@ -162,6 +175,9 @@ def test_bad_input_is_named(make, trained, digits, impl):
         make(wrong)
     with pytest.raises(ValueError, match="keys"):
         make({k: v for k, v in trained.items() if k != "fc3.bias"})
+    if impl[0] == 6:  # a convolution of another level: named, refused
+        with pytest.raises(ValueError, match="level 6's convolutions are direct"):
+            level(6).load("lenet")(trained, convolution="tiled")
 
 
 @pytest.mark.parametrize("number, device, other", [pytest.param(4, "cpu", "im2col", marks=pytest.mark.level4, id="level4"),
@@ -186,17 +202,18 @@ def test_each_levels_two_convolutions_agree(request, trained, digits, number, de
         cls(trained, convolution=missing_one)
 
 
-@pytest.mark.level5
 @pytest.mark.gpu
-@pytest.mark.parametrize("convolution", ["direct", "tiled"])
-def test_level5_reruns_are_bit_identical_at_odd_sizes(request, mnist, convolution):
-    """No atomics anywhere: two runs give the same bits. Batches of 37 (tiles cut by the edge of the batch) and a
-    forward pass across FORWARD_CHUNK (1,030 rows), against level 4."""
-    require(level(5), "cuda", request.config, "lenet")
+@pytest.mark.parametrize("number, convolution", [pytest.param(5, "direct", marks=pytest.mark.level5, id="level5-direct"),
+                                                 pytest.param(5, "tiled", marks=pytest.mark.level5, id="level5-tiled"),
+                                                 pytest.param(6, "direct", marks=pytest.mark.level6, id="level6")])
+def test_gpu_reruns_are_bit_identical_at_odd_sizes(request, mnist, number, convolution):
+    """No atomics anywhere (level 6: cuDNN's deterministic algorithms): two runs give the same bits. Batches of 37
+    (tiles cut by the edge of the batch) and a forward pass across FORWARD_CHUNK (1,030 rows), against level 4."""
+    require(level(number), "cuda", request.config, "lenet")
     X, y = mnist[0][:1030], mnist[1][:1030]
     runs = []
     for _ in range(2):
-        model = level(5).load("lenet")(lenet.init_params(3), convolution=convolution)
+        model = level(number).load("lenet")(lenet.init_params(3), convolution=convolution)
         runs.append((model.train_epoch(X[:370], y[:370], 37, 0.05), model.forward(X), model.state_dict()))
     np.testing.assert_array_equal(runs[0][0], runs[1][0])
     np.testing.assert_array_equal(runs[0][1], runs[1][1])
@@ -208,10 +225,10 @@ def test_level5_reruns_are_bit_identical_at_odd_sizes(request, mnist, convolutio
 SANITIZER_SCRIPT = """
 import numpy as np
 from common.lenet import init_params
-from level5_cuda_naive import LeNet
+from {package} import LeNet
 rng = np.random.default_rng(0)
 X, y = rng.standard_normal((1030, 784)).astype(np.float32), rng.integers(0, 10, 1030)
-for convolution in ("direct", "tiled"):
+for convolution in {convolutions}:
     model = LeNet(init_params(0), convolution=convolution)
     model.train_epoch(X[:75], y[:75], 37, 0.05)
     model.forward(X)
@@ -219,18 +236,20 @@ for convolution in ("direct", "tiled"):
 """
 
 
-@pytest.mark.level5
 @pytest.mark.gpu
+@pytest.mark.parametrize("number", [pytest.param(5, marks=pytest.mark.level5, id="level5"),
+                                    pytest.param(6, marks=pytest.mark.level6, id="level6")])
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])
-def test_level5_kernels_are_clean_under_compute_sanitizer(request, tool):
+def test_gpu_kernels_are_clean_under_compute_sanitizer(request, tool, number):
     """A read past the halo, a tile read before every thread has written it, a barrier some threads skip: none need
-    change a loss, and compute-sanitizer sees each."""
-    require(level(5), "cuda", request.config, "lenet")
-    sanitize(tool, SANITIZER_SCRIPT)
+    change a loss, and compute-sanitizer sees each (level 6: around cuDNN's and cuBLAS's kernels, and its graph)."""
+    require(level(number), "cuda", request.config, "lenet")
+    convolutions = ("direct", "tiled") if number == 5 else ("direct",)
+    sanitize(tool, SANITIZER_SCRIPT.format(package=level(number).package, convolutions=convolutions))
 
 
 def test_the_model_list_names_each_networks_parts():
     model = get("lenet")
-    assert model.network is lenet and model.levels == (1, 2, 3, 4, 5) and model.float64_step() is lenet_verify.LeNetStep
+    assert model.network is lenet and model.levels == (1, 2, 3, 4, 5, 6) and model.float64_step() is lenet_verify.LeNetStep
     assert "no model 'resnet'" in str(pytest.raises(KeyError, get, "resnet").value)
-    assert "does not implement LeNet-5" in missing(level(6), "cpu", "lenet")[0]
+    assert "does not implement LeNet-5" in missing(level(7), "cpu", "lenet")[0]
