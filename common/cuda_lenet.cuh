@@ -344,7 +344,9 @@ static int queue_steps(lenet *m, int n_order, int batch_size, float lr) {
 /* Level 6 replays a captured step (a CUDA graph), with queue_steps as its fallback. */
 static int train_steps(lenet *m, int n_order, int batch_size, float lr);
 #else
-static int train_steps(lenet *m, int n_order, int batch_size, float lr) { return queue_steps(m, n_order, batch_size, lr); }
+static int train_steps(lenet *m, int n_order, int batch_size, float lr) {
+    return queue_steps(m, n_order, batch_size, lr);
+}
 #endif
 
 /* The whole epoch on the stream without a wait (train_steps); the losses come back in one copy at the end. */

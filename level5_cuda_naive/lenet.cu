@@ -86,7 +86,8 @@ __global__ void conv2d_backward_dw_kernel(float *dw, const float *dout, const fl
     const int OH = H - k + 1;
     const size_t i = thread_index();
     if (i >= (size_t)F * C * k * k) return;
-    const int v = (int)(i % k), u = (int)(i / k % k), c = (int)(i / ((size_t)k * k) % C), f = (int)(i / ((size_t)C * k * k));
+    const int v = (int)(i % k), u = (int)(i / k % k), c = (int)(i / ((size_t)k * k) % C);
+    const int f = (int)(i / ((size_t)C * k * k));
     float total = 0.0f;
     for (size_t n = 0; n < (size_t)B; n++) {
         const float *g = dout + (n * F + f) * OH * OH, *in = x + ((n * C + c) * H + u) * H + v;
@@ -129,9 +130,9 @@ static int conv2d_backward(lenet *m, float *dx, float *dw, float *db, const floa
 /* ---- the convolution, tiled: inputs read once per block into shared memory, then reused from registers ---- */
 
 /* The forward of conv2d_forward_kernel for LeNet's 5 x 5 kernels (K), the same sums in the same order, so the same
- * bits. Block (images, tile, filter group) first copies, for CONV_IMAGES images, the tile's inputs - (CONV_TILE + K - 1)^2
- * per channel: the tile's positions and the halo that their windows reach past them - and CONV_FILTERS filters into
- * shared memory. Then each thread computes CONV_COLUMNS neighbouring outputs of one row for each of those filters:
+ * bits. Block (images, tile, filter group) first copies, for CONV_IMAGES images, the tile's inputs -
+ * (CONV_TILE + K - 1)^2 per channel: the tile's positions and the halo that their windows reach past them - and
+ * CONV_FILTERS filters into shared memory. Then each thread computes CONV_COLUMNS neighbouring outputs of one row for each of those filters:
  * an input row it has loaded into registers feeds up to K * CONV_COLUMNS * CONV_FILTERS multiply-adds, and a weight
  * CONV_COLUMNS. A direct thread loads two numbers for every multiply-add. */
 static_assert(CONV_TILE % CONV_COLUMNS == 0, "a thread's outputs lie in one tile");
@@ -177,15 +178,18 @@ __global__ void conv2d_forward_tiled_kernel(float *out, const float *x, const fl
                 }
         }
     for (int f = 0; f < filters; f++)
-        for (int j = 0; j < CONV_COLUMNS && ox + j < OH; j++) out[((n * F + f0 + f) * OH + oy) * OH + ox + j] = sum[f][j];
+        for (int j = 0; j < CONV_COLUMNS && ox + j < OH; j++)
+            out[((n * F + f0 + f) * OH + oy) * OH + ox + j] = sum[f][j];
 }
 
 static int conv2d_forward_tiled(lenet *m, float *out, const float *x, const float *w, const float *b, int B, int C,
                                 int H, int F) {
     const int tiles = (H - K + CONV_TILE) / CONV_TILE;
-    const dim3 grid((unsigned)((B + CONV_IMAGES - 1) / CONV_IMAGES * tiles * tiles), (F + CONV_FILTERS - 1) / CONV_FILTERS);
+    const dim3 grid((unsigned)((B + CONV_IMAGES - 1) / CONV_IMAGES * tiles * tiles),
+                    (F + CONV_FILTERS - 1) / CONV_FILTERS);
     const size_t shared = sizeof(float) * ((size_t)CONV_IMAGES * C * IN * IN + (size_t)CONV_FILTERS * C * K * K);
-    conv2d_forward_tiled_kernel<<<grid, CONV_IMAGES * IMAGE_THREADS, shared, m->base.stream>>>(out, x, w, b, B, C, H, F);
+    conv2d_forward_tiled_kernel<<<grid, CONV_IMAGES * IMAGE_THREADS, shared, m->base.stream>>>(out, x, w, b, B, C, H,
+                                                                                                F);
     CUDA_CHECK(cudaGetLastError());
     return MLP_OK;
 }
@@ -209,8 +213,8 @@ __global__ void maxpool_forward_kernel(float *out, int *choice, const float *a, 
 }
 
 static int maxpool_forward(lenet *m, float *out, int *choice, const float *a, int B, int C, int H) {
-    maxpool_forward_kernel<<<blocks_for((size_t)B * C * (H / 2) * (H / 2)), THREADS, 0, m->base.stream>>>(out, choice, a,
-                                                                                                        B, C, H);
+    const size_t windows = (size_t)B * C * (H / 2) * (H / 2);
+    maxpool_forward_kernel<<<blocks_for(windows), THREADS, 0, m->base.stream>>>(out, choice, a, B, C, H);
     CUDA_CHECK(cudaGetLastError());
     return MLP_OK;
 }
@@ -227,7 +231,8 @@ __global__ void maxpool_backward_kernel(float *da, const float *dout, const int 
 }
 
 static int maxpool_backward(lenet *m, float *da, const float *dout, const int *choice, int B, int C, int H) {
-    maxpool_backward_kernel<<<blocks_for((size_t)B * C * H * H), THREADS, 0, m->base.stream>>>(da, dout, choice, B, C, H);
+    const size_t n = (size_t)B * C * H * H;
+    maxpool_backward_kernel<<<blocks_for(n), THREADS, 0, m->base.stream>>>(da, dout, choice, B, C, H);
     CUDA_CHECK(cudaGetLastError());
     return MLP_OK;
 }

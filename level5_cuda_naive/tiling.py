@@ -49,8 +49,8 @@ def profile(batch: int) -> list[dict]:
     ncu = shutil.which("ncu") or shutil.which("/usr/local/cuda/bin/ncu")
     if ncu is None:
         raise SystemExit("Nsight Compute (ncu) is not on PATH: it comes with the CUDA toolkit")
-    run = subprocess.run([ncu, "--csv", "--metrics", ",".join(METRICS), "--kernel-name", "regex:conv2d_forward",
-                          sys.executable, "-m", "level5_cuda_naive.tiling", "--inside-ncu", "--batches", str(batch)],
+    run = subprocess.run([ncu, "--csv", "--print-units", "base", "--metrics", ",".join(METRICS),
+                          "--kernel-name", "regex:conv2d_forward", sys.executable, "-m", "level5_cuda_naive.tiling", "--inside-ncu", "--batches", str(batch)],
                          capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     rows = [line for line in run.stdout.splitlines() if line.startswith('"')]
     if run.returncode or not rows:

@@ -180,9 +180,10 @@ def test_bad_input_is_named(make, trained, digits, impl):
             level(6).load("lenet")(trained, convolution="tiled")
 
 
-@pytest.mark.parametrize("number, device, other", [pytest.param(4, "cpu", "im2col", marks=pytest.mark.level4, id="level4"),
-                                                  pytest.param(5, "cuda", "tiled", marks=[pytest.mark.level5,
-                                                                                          pytest.mark.gpu], id="level5")])
+@pytest.mark.parametrize("number, device, other", [
+    pytest.param(4, "cpu", "im2col", marks=pytest.mark.level4, id="level4"),
+    pytest.param(5, "cuda", "tiled", marks=GPU5, id="level5"),
+])
 def test_each_levels_two_convolutions_agree(request, trained, digits, number, device, other):
     """The lesson of the level against its direct convolution, every layer. The tiled kernel adds the same terms in
     the same order as the direct one, so it must give the same bits; im2col's matrix product adds them its own way."""
@@ -203,9 +204,11 @@ def test_each_levels_two_convolutions_agree(request, trained, digits, number, de
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("number, convolution", [pytest.param(5, "direct", marks=pytest.mark.level5, id="level5-direct"),
-                                                 pytest.param(5, "tiled", marks=pytest.mark.level5, id="level5-tiled"),
-                                                 pytest.param(6, "direct", marks=pytest.mark.level6, id="level6")])
+@pytest.mark.parametrize("number, convolution", [
+    pytest.param(5, "direct", marks=pytest.mark.level5, id="level5-direct"),
+    pytest.param(5, "tiled", marks=pytest.mark.level5, id="level5-tiled"),
+    pytest.param(6, "direct", marks=pytest.mark.level6, id="level6"),
+])
 def test_gpu_reruns_are_bit_identical_at_odd_sizes(request, mnist, number, convolution):
     """No atomics anywhere (level 6: cuDNN's deterministic algorithms): two runs give the same bits. Batches of 37
     (tiles cut by the edge of the batch) and a forward pass across FORWARD_CHUNK (1,030 rows), against level 4."""
@@ -250,6 +253,7 @@ def test_gpu_kernels_are_clean_under_compute_sanitizer(request, tool, number):
 
 def test_the_model_list_names_each_networks_parts():
     model = get("lenet")
-    assert model.network is lenet and model.levels == (1, 2, 3, 4, 5, 6) and model.float64_step() is lenet_verify.LeNetStep
+    assert model.network is lenet and model.levels == (1, 2, 3, 4, 5, 6)
+    assert model.float64_step() is lenet_verify.LeNetStep
     assert "no model 'resnet'" in str(pytest.raises(KeyError, get, "resnet").value)
     assert "does not implement LeNet-5" in missing(level(7), "cpu", "lenet")[0]
