@@ -5,7 +5,7 @@
  * products and each max-pool (level 5's kernels, replaced), and level 6's mlp.cu, included below, brings cuBLAS for
  * the fully connected layers. The model on the device and the step are common/cuda_lenet.cuh, as at level 5.
  *
- * Three choices make it verifiable, each also a planted bug the tests catch:
+ * Three choices make it verifiable (the tests catch the first two planted as bugs):
  *   - FP32 with FMA only (CUDNN_FMA_MATH): cuDNN's default math lets FP32 convolutions run on TF32 tensor cores,
  *     which round every input to 10 mantissa bits;
  *   - deterministic algorithms: forward IMPLICIT_PRECOMP_GEMM, backward data ALGO_1, backward filter FFT (ALGO_0
@@ -18,8 +18,9 @@
  * gradient of a convolution is ours (two small kernels): cuDNN's cudnnConvolutionBackwardBias took 171 us of that
  * 818 us step.
  *
- * Then the lesson: a step is ~40 launches of small kernels, each costing the CPU a few microseconds. The step is
- * captured once (per batch size and learning rate) as a CUDA graph and replayed, one launch per step.
+ * Then the lesson: a step is about 50 small kernels (56 GPU operations at batch 16, measured), each launch costing
+ * the CPU a few microseconds. The step is captured once (per batch size and learning rate) as a CUDA graph and
+ * replayed: one launch per step.
  *
  * Implements common/lenet.h with common/cuda_lenet.cuh. Build: `make level6` (cuDNN from the CUDA toolkit or the
  * nvidia-cudnn-cu13 wheel); test: `pytest -m "lenet and level6"` on a GPU machine.
@@ -73,7 +74,6 @@ struct cudnn_state {
 static cudnn_state *state(lenet *m) { return static_cast<cudnn_state *>(m->level_state); }
 
 /* cuDNN reads its alpha and beta from host memory, like cuBLAS: mlp.cu's `one` and `zero` serve both. */
-
 
 /* Describe the five activation tensors for a batch of B rows (host-side bookkeeping, no GPU work). */
 static int describe(lenet *m, int B) {
