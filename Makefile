@@ -71,18 +71,19 @@ endef
 # Without cuDNN, level 6 builds the MLP's library only, and says so.
 CUDNN_HOME ?= $(shell if [ -f $(CUDA_HOME)/include/cudnn.h ]; then echo $(CUDA_HOME); \
 	else $(PYTHON) -c 'import nvidia.cudnn as c; print(list(c.__path__)[0])' 2>/dev/null; fi)
-CUDNN_LIB := $(firstword $(wildcard $(CUDNN_HOME)/lib64/libcudnn.so $(CUDNN_HOME)/lib/libcudnn.so.9))
-level6: level6_cublas/libmlp.so $(if $(CUDNN_LIB),level6_cublas/liblenet.so,no-cudnn)
+CUDNN_LIB = $(firstword $(wildcard $(CUDNN_HOME)/lib64/libcudnn.so $(CUDNN_HOME)/lib/libcudnn.so.9))
+# Looked for when the recipe runs, after the environment's setup has installed the wheel.
+level6: level6_cublas/libmlp.so
+	@if [ -n "$(CUDNN_LIB)" ]; then $(MAKE) --no-print-directory level6_cublas/liblenet.so; \
+	else echo "note: level6_cublas/liblenet.so (LeNet-5 at level 6) is not built: it needs cuDNN, the CUDA toolkit's" \
+		"or the wheel's: $(PYTHON) -m pip install -e '.[cudnn]'"; fi
 level6_cublas/libmlp.so: level6_cublas/mlp.cu common/cuda_mlp.cuh common/mlp.h common/mlp_status.h
 	$(build_with_cublas)
 level6_cublas/liblenet.so: level6_cublas/lenet.cu level6_cublas/mlp.cu common/cuda_lenet.cuh common/cuda_mlp.cuh \
 		common/lenet.h common/mlp.h common/mlp_status.h
+	@[ -n "$(CUDNN_LIB)" ] || { echo "$@ needs cuDNN: the CUDA toolkit's, or run: $(PYTHON) -m pip install -e '.[cudnn]'"; exit 1; }
 	$(build_with_cublas) -I$(CUDNN_HOME)/include -L$(dir $(CUDNN_LIB)) -l:$(notdir $(CUDNN_LIB)) \
 		-Xlinker -rpath,$(dir $(CUDNN_LIB))
-no-cudnn:
-	@echo "note: level6_cublas/liblenet.so (LeNet-5 at level 6) is not built: it needs cuDNN, the CUDA toolkit's or" \
-		"the wheel's: $(PYTHON) -m pip install -e '.[cudnn]'"
-.PHONY: no-cudnn
 
 level7: level7_fused/libmlp.so
 level7_fused/libmlp.so: level7_fused/mlp.cu level6_cublas/mlp.cu common/cuda_mlp.cuh common/mlp.h common/mlp_status.h
