@@ -327,14 +327,21 @@ int lenet_set_data(lenet *m, const float *x, const int *y, int n) {
     return MLP_OK;
 }
 
+/* One whole step on the rows `order` (device, B of them): gather, forward and backward, the loss to *loss (device),
+ * one SGD update of the flat parameter buffer. */
+static int one_step(lenet *m, const int *order, int B, float lr, float *loss) {
+    int status = gather(&m->base, m->x, m->y, m->data_x, m->data_y, order, B, IMAGE * IMAGE);
+    if (!status) status = net_forward_backward(m, loss, m->x, m->y, B);
+    if (!status) status = sgd_update(&m->base, m->params, m->grads, lr, N_PARAMS);
+    return status;
+}
+
 /* The steps of an epoch over the rows m->order[0 .. n_order), each step's loss to m->losses[step], all queued on the
- * stream without waiting: per step, gather, forward and backward, one SGD update of the flat parameter buffer. */
+ * stream without waiting. */
 static int queue_steps(lenet *m, int n_order, int batch_size, float lr) {
     for (int start = 0, step = 0; start < n_order; start += batch_size, step++) {
         const int B = n_order - start < batch_size ? n_order - start : batch_size;
-        int status = gather(&m->base, m->x, m->y, m->data_x, m->data_y, m->order + start, B, IMAGE * IMAGE);
-        if (!status) status = net_forward_backward(m, m->losses + step, m->x, m->y, B);
-        if (!status) status = sgd_update(&m->base, m->params, m->grads, lr, N_PARAMS);
+        const int status = one_step(m, m->order + start, B, lr, m->losses + step);
         if (status) return status;
     }
     return MLP_OK;

@@ -241,16 +241,9 @@ static int level_state_destroy(lenet *m) {
 
 /* ---- the step as a CUDA graph ---- */
 
-/* One whole step on the rows `order` (device, B of them): gather, forward and backward, the loss to *loss, SGD. */
-static int one_step(lenet *m, const int *order, int B, float lr, float *loss) {
-    int status = gather(&m->base, m->x, m->y, m->data_x, m->data_y, order, B, IMAGE * IMAGE);
-    if (!status) status = net_forward_backward(m, loss, m->x, m->y, B);
-    if (!status) status = sgd_update(&m->base, m->params, m->grads, lr, N_PARAMS);
-    return status;
-}
-
-/* The graph of one_step for B rows and this learning rate, captured unless the one we have still fits: a graph keeps
- * the pointers it was captured with, so a buffer reallocated since (a larger batch, a new data set) means a new one. */
+/* The graph of one_step (common/cuda_lenet.cuh) for B rows and this learning rate, captured unless the one we have
+ * still fits: a graph keeps the pointers it was captured with, so a buffer reallocated since (a larger batch, a new
+ * data set) means a new one. */
 static int ensure_graph(lenet *m, int B, float lr) {
     cudnn_state *s = state(m);
     const void *buffers[6] = {m->batch, m->ints, m->data_x, m->data_y, s->workspace, s->plane_sums};
