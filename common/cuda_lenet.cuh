@@ -2,7 +2,8 @@
  * lenet.h. cuda_mlp.cuh's twin, one network over.
  *
  * Included by level5_cuda_naive/lenet.cu (our own convolution and pooling kernels) and level6_cublas/lenet.cu
- * (cuDNN's), each after its level's mlp.cu, whose layer functions serve the fully connected layers, the ReLUs, the
+ * (cuDNN's, and through it level7_fused/lenet.cu, whose inference forward is one fused kernel), each after its level's
+ * mlp.cu, whose layer functions serve the fully connected layers, the ReLUs, the
  * loss, the batch gather and SGD here too (level 5's kernels, or level 6's cuBLAS). Each level then defines the hooks
  * declared below, so diffing the two levels shows only how a convolution and a pool are computed.
  */
@@ -44,6 +45,15 @@ struct lenet {
     int order_capacity;
     float *losses;         /* (loss_capacity) an epoch's per-step losses */
     int loss_capacity;
+    unsigned moves;        /* counts reallocations of the buffers above: a graph captured before the last is stale */
+    /* Inference (lenet_infer_*): */
+    float *infer_block;    /* one block for: */
+    float *infer_x;        /* (infer_rows, 784) the loaded batch */
+    float *infer_logits;   /* (infer_rows, 10) its logits */
+    int infer_rows, infer_capacity;
+    cudaGraphExec_t forward_graph; /* the loaded batch's forward, captured for graph_rows rows at `moves` graph_moves */
+    int graph_rows;
+    unsigned graph_moves;
 };
 
 /* ---- the level's hooks, defined by level5_cuda_naive/lenet.cu and level6_cublas/lenet.cu ---- */
@@ -63,6 +73,11 @@ static int check_convolution(int convolution);
 static int level_state_create(lenet *m);
 static int level_state_reserve(lenet *m, int rows);
 static int level_state_destroy(lenet *m);
+#ifdef LENET_FUSED_FORWARD
+/* Level 7: the forward for inference (lenet_forward, lenet_infer_*) as one fused kernel; with `keep`, every layer's
+ * output to its buffer as well, for the per-layer check. */
+static int inference_forward(lenet *m, float *logits, const float *x, int B, bool keep);
+#endif
 
 /* ---- the step: level 4's, line for line; each call queued on the stream ---- */
 
@@ -79,8 +94,8 @@ static int fc_layer_backward(lenet *m, float *dx, float *dw, float *db, const fl
     return status ? status : bias_backward(&m->base, db, dout, B, n_out);
 }
 
-/* Forward of a batch x (B, 784) (device): every layer's output into the model's buffers. */
-static int net_forward(lenet *m, const float *x, int B) {
+/* Forward of a batch x (B, 784) (device): every layer's output into the model's buffers, the last into logits. */
+static int net_forward(lenet *m, float *logits, const float *x, int B) {
     const float *p = m->params;
     mlp *base = &m->base;
     int status = conv_layer(m, 0, m->h1, x, p + W1, p + B1, B);
@@ -93,9 +108,17 @@ static int net_forward(lenet *m, const float *x, int B) {
     if (!status) status = relu_forward(base, m->r3, m->f1, (size_t)B * F1);
     if (!status) status = fc_layer(m, m->f2, m->r3, p + W4, p + B4, B, F1, F2);
     if (!status) status = relu_forward(base, m->r4, m->f2, (size_t)B * F2);
-    if (!status) status = fc_layer(m, m->logits, m->r4, p + W5, p + B5, B, F2, OUT);
+    if (!status) status = fc_layer(m, logits, m->r4, p + W5, p + B5, B, F2, OUT);
     return status;
 }
+
+#ifndef LENET_FUSED_FORWARD
+/* The forward for inference: net_forward, which keeps every layer's output anyway. */
+static int inference_forward(lenet *m, float *logits, const float *x, int B, bool keep) {
+    (void)keep;
+    return net_forward(m, logits, x, B);
+}
+#endif
 
 /* Forward and backward of one batch x (B, 784), y (B) (device): the mean loss to *loss (device), the gradients to
  * m->grads, every layer's output and gradient to its buffer. */
@@ -103,7 +126,7 @@ static int net_forward_backward(lenet *m, float *loss, const float *x, const int
     const float *p = m->params;
     float *g = m->grads;
     mlp *base = &m->base;
-    int status = net_forward(m, x, B);
+    int status = net_forward(m, m->logits, x, B);
     if (!status) status = softmax_xent_forward(base, loss, m->dlogits, m->row_loss, m->logits, y, B, OUT);
     if (!status) status = softmax_xent_backward(base, m->dlogits, m->dlogits, y, B, OUT);
     if (!status) status = fc_layer_backward(m, m->dr4, g + W5, g + B5, m->dlogits, m->r4, p + W5, B, F2, OUT);
@@ -167,6 +190,7 @@ static int ensure_batch(lenet *m, int rows) {
         *int_buffers[i] = next_int;
         next_int += aligned(R * ROW_INT_SIZES[i]);
     }
+    m->moves++;
     status = level_state_reserve(m, rows);
     if (status) return status;
     m->capacity = rows;
@@ -215,7 +239,8 @@ int lenet_destroy(lenet *m) {
     int status = level_state_destroy(m);
     const int mlp_status = level_destroy(&m->base);
     if (!status) status = mlp_status;
-    cudaError_t err = free_device({m->params, m->grads, m->data_x, m->data_y, m->order, m->losses});
+    cudaError_t err = free_device({m->params, m->grads, m->data_x, m->data_y, m->order, m->losses, m->infer_block});
+    if (m->forward_graph && err == cudaSuccess) err = cudaGraphExecDestroy(m->forward_graph);
     const cudaError_t batch_err = free_batch(m);
     if (err == cudaSuccess) err = batch_err;
     if (m->base.stream) {
@@ -258,7 +283,7 @@ int lenet_forward(lenet *m, float *logits, const float *x, int n) {
         const int B = n - start < FORWARD_CHUNK ? n - start : FORWARD_CHUNK;
         CUDA_CHECK(cudaMemcpyAsync(m->x, x + (size_t)start * IMAGE * IMAGE, sizeof(float) * (size_t)B * IMAGE * IMAGE,
                                    cudaMemcpyHostToDevice, m->base.stream));
-        status = net_forward(m, m->x, B);
+        status = inference_forward(m, m->logits, m->x, B, false);
         if (status) return status;
         CUDA_CHECK(cudaMemcpyAsync(logits + (size_t)start * OUT, m->logits, sizeof(float) * (size_t)B * OUT,
                                    cudaMemcpyDeviceToHost, m->base.stream));
@@ -304,6 +329,109 @@ int lenet_layers(lenet *m, float *outputs, float *grads, const float *x, const i
         CUDA_CHECK(cudaMemcpyAsync(grads, grad[i], bytes, cudaMemcpyDeviceToHost, m->base.stream));
         outputs += (size_t)n * sizes[i], grads += (size_t)n * sizes[i];
     }
+    CUDA_CHECK(cudaStreamSynchronize(m->base.stream));
+    return MLP_OK;
+}
+
+/* ---- inference: the loaded batch's forward as one CUDA graph ---- */
+
+/* What queue() puts on the model's stream, captured as a CUDA graph and made ready to launch into *exec. */
+template <typename Queue>
+static int capture_graph(lenet *m, cudaGraphExec_t *exec, Queue queue) {
+    cudaGraph_t graph = NULL;
+    CUDA_CHECK(cudaStreamBeginCapture(m->base.stream, cudaStreamCaptureModeRelaxed));
+    int status = queue();
+    const cudaError_t ended = cudaStreamEndCapture(m->base.stream, &graph); /* ended even if queue() failed */
+    if (!status && ended != cudaSuccess) status = cuda_fail(ended, "cudaStreamEndCapture", __FILE__, __LINE__);
+    if (!status) {
+        const cudaError_t made = cudaGraphInstantiate(exec, graph, 0);
+        if (made != cudaSuccess) status = cuda_fail(made, "cudaGraphInstantiate", __FILE__, __LINE__);
+    }
+    if (graph) cudaGraphDestroy(graph);
+    return status;
+}
+
+/* The loaded batch's forward, FORWARD_CHUNK rows at a time, its logits to m->infer_logits; queued on the stream.
+ * With `outputs` (host), every layer's output is copied there too (lenet_infer_layers). */
+static int queue_inference(lenet *m, float *outputs) {
+    const int n = m->infer_rows;
+    for (int start = 0; start < n; start += FORWARD_CHUNK) {
+        const int B = n - start < FORWARD_CHUNK ? n - start : FORWARD_CHUNK;
+        const int status = inference_forward(m, m->infer_logits + (size_t)start * OUT,
+                                             m->infer_x + (size_t)start * IMAGE * IMAGE, B, outputs != NULL);
+        if (status) return status;
+        if (!outputs) continue;
+        const float *out[] = {m->h1, m->a1, m->p1, m->h2, m->a2, m->p2, m->f1, m->r3, m->f2, m->r4,
+                              m->infer_logits + (size_t)start * OUT};
+        const int sizes[] = {H1, H1, POOL1, H2, H2, POOL2, F1, F1, F2, F2, OUT};
+        float *layer = outputs;
+        for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
+            CUDA_CHECK(cudaMemcpyAsync(layer + (size_t)start * sizes[i], out[i], sizeof(float) * (size_t)B * sizes[i],
+                                       cudaMemcpyDeviceToHost, m->base.stream));
+            layer += (size_t)n * sizes[i];
+        }
+    }
+    return MLP_OK;
+}
+
+/* The forward graph of the loaded batch, captured unless the one we have still fits: a graph keeps the pointers it
+ * was captured with, so another batch size or a buffer moved since (a larger batch loaded or trained) means a new
+ * one. One run outside the capture first: cuBLAS and cuDNN set themselves up on first use, which a capture forbids. */
+static int ensure_forward_graph(lenet *m) {
+    int status = ensure_batch(m, m->infer_rows < FORWARD_CHUNK ? m->infer_rows : FORWARD_CHUNK);
+    if (status) return status;
+    if (m->forward_graph && m->graph_rows == m->infer_rows && m->graph_moves == m->moves) return MLP_OK;
+    if (m->forward_graph) CUDA_CHECK(cudaGraphExecDestroy(m->forward_graph));
+    m->forward_graph = NULL;
+    status = queue_inference(m, NULL);
+    if (!status) status = capture_graph(m, &m->forward_graph, [m] { return queue_inference(m, NULL); });
+    if (status) return status;
+    m->graph_rows = m->infer_rows, m->graph_moves = m->moves;
+    return MLP_OK;
+}
+
+int lenet_infer_load(lenet *m, const float *x, int n) {
+    if (!m || !x) return FAIL(MLP_ERR_ARG, "NULL argument");
+    if (n < 1) return FAIL(MLP_ERR_ARG, "n must be >= 1, got %d", n);
+    const int status = check_elements(n, IMAGE * IMAGE);
+    if (status) return status;
+    if (n > m->infer_capacity) {
+        m->infer_rows = 0, m->infer_capacity = 0; /* no batch until the new one is complete */
+        CUDA_CHECK(free_device({m->infer_block}));
+        m->infer_block = NULL;
+        m->moves++;
+        const size_t image_floats = aligned((size_t)n * IMAGE * IMAGE);
+        CUDA_CHECK(cudaMalloc(&m->infer_block, sizeof(float) * (image_floats + aligned((size_t)n * OUT))));
+        m->infer_x = m->infer_block, m->infer_logits = m->infer_block + image_floats;
+        m->infer_capacity = n;
+    }
+    CUDA_CHECK(cudaMemcpyAsync(m->infer_x, x, sizeof(float) * (size_t)n * IMAGE * IMAGE, cudaMemcpyHostToDevice,
+                               m->base.stream));
+    CUDA_CHECK(cudaStreamSynchronize(m->base.stream));
+    m->infer_rows = n;
+    return MLP_OK;
+}
+
+/* One graph launch and one wait: what the latency table times (logits NULL). */
+int lenet_infer_run(lenet *m, float *logits) {
+    if (!m) return FAIL(MLP_ERR_ARG, "NULL argument");
+    if (m->infer_rows < 1) return FAIL(MLP_ERR_ARG, "no batch loaded: call lenet_infer_load first");
+    const int status = ensure_forward_graph(m);
+    if (status) return status;
+    CUDA_CHECK(cudaGraphLaunch(m->forward_graph, m->base.stream));
+    if (logits)
+        CUDA_CHECK(cudaMemcpyAsync(logits, m->infer_logits, sizeof(float) * (size_t)m->infer_rows * OUT,
+                                   cudaMemcpyDeviceToHost, m->base.stream));
+    CUDA_CHECK(cudaStreamSynchronize(m->base.stream));
+    return MLP_OK;
+}
+
+int lenet_infer_layers(lenet *m, float *outputs) {
+    if (!m || !outputs) return FAIL(MLP_ERR_ARG, "NULL argument");
+    if (m->infer_rows < 1) return FAIL(MLP_ERR_ARG, "no batch loaded: call lenet_infer_load first");
+    int status = ensure_batch(m, m->infer_rows < FORWARD_CHUNK ? m->infer_rows : FORWARD_CHUNK);
+    if (!status) status = queue_inference(m, outputs);
+    if (status) return status;
     CUDA_CHECK(cudaStreamSynchronize(m->base.stream));
     return MLP_OK;
 }

@@ -52,6 +52,15 @@ int lenet_loss_and_grads(lenet *m, float *loss, float *grads, const float *x, co
  * (n * LENET_ACTIVATIONS) hold layer after layer, each (n, its size). Parameters unchanged. */
 int lenet_layers(lenet *m, float *outputs, float *grads, const float *x, const int *y, int n);
 
+/* Inference as a server runs it: a batch loaded once, then its forward run again and again. The GPU levels keep the
+ * batch on the device and replay its forward as one CUDA graph, captured on the batch's first run.
+ * lenet_infer_load copies x (n, 784) into the model; lenet_infer_run runs its forward and returns when it is done,
+ * copying the logits (n, 10) out unless logits is NULL; lenet_infer_layers gives every layer's output of the loaded
+ * batch (n * LENET_ACTIVATIONS, lenet_layers' order). Other calls in between leave the loaded batch as it was. */
+int lenet_infer_load(lenet *m, const float *x, int n);
+int lenet_infer_run(lenet *m, float *logits);
+int lenet_infer_layers(lenet *m, float *outputs);
+
 /* Copy a training set into the model. */
 int lenet_set_data(lenet *m, const float *x, const int *y, int n);
 

@@ -264,6 +264,38 @@ class NativeLeNet(NativeModel):
                                               _ptr(X, "float[]"), _ptr(y, "int[]"), len(X)))
         return _lenet().split_layers(outputs, len(X)), _lenet().split_layers(grads, len(X))
 
+    # Inference as a server runs it (lenet.h's lenet_infer_*): a batch loaded once, its forward run again and again.
+
+    def infer_load(self, X: np.ndarray) -> None:
+        """Load a batch of images (N, 784) for infer_run and infer_layers; a GPU level keeps it on the device."""
+        X = check_X(X)
+        self._check_rows(min(len(X), FORWARD_ROWS))
+        with self._lock:
+            self._check(self.lib.lenet_infer_load(self._handle(), _ptr(X, "float[]"), len(X)))
+            self._infer_rows = len(X)
+
+    def infer_run(self, logits: bool = True) -> np.ndarray | None:
+        """The loaded batch's forward, finished when it returns (a GPU level: one CUDA graph launch and one wait);
+        its logits (N, 10), or nothing with logits=False (what a latency measurement times)."""
+        with self._lock:
+            out = np.empty((self._loaded(), N_OUT), dtype=np.float32) if logits else None
+            self._check(self.lib.lenet_infer_run(self._handle(), _ptr(out, "float[]") if logits else ffi.NULL))
+        return out
+
+    def infer_layers(self) -> dict[str, np.ndarray]:
+        """Every layer's output for the loaded batch, by name (lenet.ACTIVATIONS), from the forward infer_run runs."""
+        with self._lock:
+            n = self._loaded()
+            self._check_rows(n)
+            outputs = np.empty(n * self.lib.LENET_ACTIVATIONS, dtype=np.float32)
+            self._check(self.lib.lenet_infer_layers(self._handle(), _ptr(outputs, "float[]")))
+        return _lenet().split_layers(outputs, n)
+
+    def _loaded(self) -> int:
+        if not getattr(self, "_infer_rows", 0):
+            raise RuntimeError("no batch loaded: call infer_load(X) first")
+        return self._infer_rows
+
     def __copy__(self) -> NativeLeNet:
         return type(self)(self.state_dict(), self.convolution)
 
@@ -282,6 +314,19 @@ class NativeLeNet(NativeModel):
 
     def _row_width(self) -> int:
         return self.lib.LENET_ROW_FLOATS
+
+
+def lazy_lenet(lv: Level, namespace: dict):
+    """A level package's module __getattr__ that loads its LeNet class (liblenet.so) when first asked for: the MLP's
+    users never load the second network's files."""
+
+    def __getattr__(name: str):
+        if name == "LeNet":
+            namespace["LeNet"] = native_level(lv, "lenet")
+            return namespace["LeNet"]
+        raise AttributeError(f"module {namespace['__name__']!r} has no attribute {name!r}")
+
+    return __getattr__
 
 
 def native_level(lv: Level, network: str = "mlp") -> type[NativeModel]:

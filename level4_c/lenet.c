@@ -29,6 +29,8 @@ struct lenet {
     float *data_x;         /* (n_data, 784) the training set, from lenet_set_data */
     int *data_y;           /* (n_data) */
     int n_data;
+    float *infer_x;        /* (infer_rows, 784) the batch lenet_infer_load keeps, apart from the buffers above */
+    int infer_rows;
 };
 
 /* ---- the convolution, direct: each forward followed by its backward ---- */
@@ -292,7 +294,7 @@ int lenet_destroy(lenet *m) {
     if (!m) return MLP_OK;
     free(m->params), free(m->grads);
     free_batch(m);
-    free(m->data_x), free(m->data_y);
+    free(m->data_x), free(m->data_y), free(m->infer_x);
     free(m);
     return MLP_OK;
 }
@@ -342,6 +344,21 @@ int lenet_loss_and_grads(lenet *m, float *loss, float *grads, const float *x, co
     return lab_status();
 }
 
+/* Every layer's output of the last forward of n rows, layer after layer, and, unless grads is NULL, its gradient. */
+static void copy_layers(const lenet *m, float *outputs, float *grads, int n) {
+    const float *out[] = {m->h1, m->a1, m->p1, m->h2, m->a2, m->p2, m->f1, m->r3, m->f2, m->r4, m->logits};
+    const float *grad[] = {m->dh1, m->da1, m->dp1, m->dh2, m->da2, m->dp2, m->df1, m->dr3, m->df2, m->dr4, m->dlogits};
+    const int sizes[] = {H1, H1, POOL1, H2, H2, POOL2, F1, F1, F2, F2, OUT};
+    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
+        memcpy(outputs, out[i], sizeof(float) * (size_t)n * sizes[i]);
+        outputs += (size_t)n * sizes[i];
+        if (grads) {
+            memcpy(grads, grad[i], sizeof(float) * (size_t)n * sizes[i]);
+            grads += (size_t)n * sizes[i];
+        }
+    }
+}
+
 int lenet_layers(lenet *m, float *outputs, float *grads, const float *x, const int *y, int n) {
     if (!m || !outputs || !grads || !x || !y) return FAIL(MLP_ERR_ARG, "NULL argument");
     if (n < 1) return FAIL(MLP_ERR_ARG, "n must be >= 1, got %d", n);
@@ -349,14 +366,46 @@ int lenet_layers(lenet *m, float *outputs, float *grads, const float *x, const i
     if (!status) status = ensure_batch(m, n);
     if (status) return status;
     net_forward_backward(m, x, y, n);
-    const float *out[] = {m->h1, m->a1, m->p1, m->h2, m->a2, m->p2, m->f1, m->r3, m->f2, m->r4, m->logits};
-    const float *grad[] = {m->dh1, m->da1, m->dp1, m->dh2, m->da2, m->dp2, m->df1, m->dr3, m->df2, m->dr4, m->dlogits};
-    const int sizes[] = {H1, H1, POOL1, H2, H2, POOL2, F1, F1, F2, F2, OUT};
-    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
-        memcpy(outputs, out[i], sizeof(float) * (size_t)n * sizes[i]);
-        memcpy(grads, grad[i], sizeof(float) * (size_t)n * sizes[i]);
-        outputs += (size_t)n * sizes[i], grads += (size_t)n * sizes[i];
+    copy_layers(m, outputs, grads, n);
+    return lab_status();
+}
+
+/* Inference on the CPU: the loaded batch is kept in its own buffer; a run is lenet_forward's loop over it. */
+int lenet_infer_load(lenet *m, const float *x, int n) {
+    if (!m || !x) return FAIL(MLP_ERR_ARG, "NULL argument");
+    if (n < 1) return FAIL(MLP_ERR_ARG, "n must be >= 1, got %d", n);
+    int status = check_elements(n, IMAGE * IMAGE);
+    if (status) return status;
+    free(m->infer_x);
+    m->infer_rows = 0;
+    m->infer_x = malloc(sizeof(float) * (size_t)n * IMAGE * IMAGE);
+    if (!m->infer_x) return FAIL(MLP_ERR_ALLOC, "out of memory for a batch of %d rows", n);
+    memcpy(m->infer_x, x, sizeof(float) * (size_t)n * IMAGE * IMAGE);
+    m->infer_rows = n;
+    return MLP_OK;
+}
+
+int lenet_infer_run(lenet *m, float *logits) {
+    if (!m) return FAIL(MLP_ERR_ARG, "NULL argument");
+    if (m->infer_rows < 1) return FAIL(MLP_ERR_ARG, "no batch loaded: call lenet_infer_load first");
+    const int n = m->infer_rows;
+    const int status = ensure_batch(m, n < CHUNK ? n : CHUNK);
+    if (status) return status;
+    for (int start = 0; start < n; start += CHUNK) {
+        const int B = n - start < CHUNK ? n - start : CHUNK;
+        net_forward(m, m->infer_x + (size_t)start * IMAGE * IMAGE, B);
+        if (logits) memcpy(logits + (size_t)start * OUT, m->logits, sizeof(float) * (size_t)B * OUT);
     }
+    return lab_status();
+}
+
+int lenet_infer_layers(lenet *m, float *outputs) {
+    if (!m || !outputs) return FAIL(MLP_ERR_ARG, "NULL argument");
+    if (m->infer_rows < 1) return FAIL(MLP_ERR_ARG, "no batch loaded: call lenet_infer_load first");
+    const int status = ensure_batch(m, m->infer_rows);
+    if (status) return status;
+    net_forward(m, m->infer_x, m->infer_rows);
+    copy_layers(m, outputs, NULL, m->infer_rows);
     return lab_status();
 }
 

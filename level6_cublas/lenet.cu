@@ -263,16 +263,7 @@ static int ensure_graph(lenet *m, int B, float lr) {
     if (!status) status = gather(&m->base, m->x, m->y, m->data_x, m->data_y, s->step_order, B, IMAGE * IMAGE);
     if (!status) status = net_forward_backward(m, s->step_loss, m->x, m->y, B);
     if (status) return status;
-    cudaGraph_t graph = NULL;
-    CUDA_CHECK(cudaStreamBeginCapture(m->base.stream, cudaStreamCaptureModeRelaxed));
-    status = one_step(m, s->step_order, B, lr, s->step_loss);
-    const cudaError_t ended = cudaStreamEndCapture(m->base.stream, &graph); /* ended even if the step failed */
-    if (!status && ended != cudaSuccess) status = cuda_fail(ended, "cudaStreamEndCapture", __FILE__, __LINE__);
-    if (!status) {
-        const cudaError_t made = cudaGraphInstantiate(&s->step, graph, 0);
-        if (made != cudaSuccess) status = cuda_fail(made, "cudaGraphInstantiate", __FILE__, __LINE__);
-    }
-    if (graph) cudaGraphDestroy(graph);
+    status = capture_graph(m, &s->step, [&] { return one_step(m, s->step_order, B, lr, s->step_loss); });
     if (status) return status;
     s->step_rows = B, s->step_lr = lr;
     memcpy(s->step_buffers, buffers, sizeof buffers);
