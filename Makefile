@@ -12,7 +12,7 @@ CFLAGS  := -O3 -march=native -std=c11 -Wall -Wextra -Wpedantic -Werror -fPIC
 CUDA_ARCH := -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
 NVFLAGS := -O3 -std=c++17 $(CUDA_ARCH) -Xcompiler -fPIC,-Wall,-Wextra -Werror all-warnings --shared
 
-.PHONY: all compare bench test test-gpu check-memory check-memory-gpu levels level4 level5 level6 level7 lab grade \
+.PHONY: all compare bench infer test test-gpu check-memory check-memory-gpu levels level4 level5 level6 level7 lab grade \
 	gradebook chapters notebooks clean
 
 all: compare
@@ -73,21 +73,32 @@ CUDNN_HOME ?= $(shell if [ -f $(CUDA_HOME)/include/cudnn.h ]; then echo $(CUDA_H
 	else $(PYTHON) -c 'import nvidia.cudnn as c; print(list(c.__path__)[0])' 2>/dev/null; fi)
 CUDNN_LIB = $(firstword $(wildcard $(CUDNN_HOME)/lib64/libcudnn.so $(CUDNN_HOME)/lib/libcudnn.so.9))
 # Looked for when the recipe runs, after the environment's setup has installed the wheel.
-level6: level6_cublas/libmlp.so
-	@if [ -n "$(CUDNN_LIB)" ]; then $(MAKE) --no-print-directory level6_cublas/liblenet.so; \
-	else echo "note: level6_cublas/liblenet.so (LeNet-5 at level 6) is not built: it needs cuDNN, the CUDA toolkit's" \
+# Levels 6 and 7 build LeNet-5's library where cuDNN is (level 7's includes level 6's), and say so where it is not.
+define lenet_if_cudnn
+	@if [ -n "$(CUDNN_LIB)" ]; then $(MAKE) --no-print-directory $(1); \
+	else echo "note: $(1) (LeNet-5 at level $(2)) is not built: it needs cuDNN, the CUDA toolkit's" \
 		"or the wheel's: $(PYTHON) -m pip install -e '.[cudnn]'"; fi
-level6_cublas/libmlp.so: level6_cublas/mlp.cu common/cuda_mlp.cuh common/mlp.h common/mlp_status.h
-	$(build_with_cublas)
-level6_cublas/liblenet.so: level6_cublas/lenet.cu level6_cublas/mlp.cu common/cuda_lenet.cuh common/cuda_mlp.cuh \
-		common/lenet.h common/mlp.h common/mlp_status.h
+endef
+define build_with_cudnn
 	@[ -n "$(CUDNN_LIB)" ] || { echo "$@ needs cuDNN: the CUDA toolkit's, or run: $(PYTHON) -m pip install -e '.[cudnn]'"; exit 1; }
 	$(build_with_cublas) -I$(CUDNN_HOME)/include -L$(dir $(CUDNN_LIB)) -l:$(notdir $(CUDNN_LIB)) \
 		-Xlinker -rpath,$(dir $(CUDNN_LIB))
+endef
+LENET6_SOURCES := level6_cublas/lenet.cu level6_cublas/mlp.cu common/cuda_lenet.cuh common/cuda_mlp.cuh common/lenet.h \
+	common/mlp.h common/mlp_status.h
+level6: level6_cublas/libmlp.so
+	$(call lenet_if_cudnn,level6_cublas/liblenet.so,6)
+level6_cublas/libmlp.so: level6_cublas/mlp.cu common/cuda_mlp.cuh common/mlp.h common/mlp_status.h
+	$(build_with_cublas)
+level6_cublas/liblenet.so: $(LENET6_SOURCES)
+	$(build_with_cudnn)
 
 level7: level7_fused/libmlp.so
+	$(call lenet_if_cudnn,level7_fused/liblenet.so,7)
 level7_fused/libmlp.so: level7_fused/mlp.cu level6_cublas/mlp.cu common/cuda_mlp.cuh common/mlp.h common/mlp_status.h
 	$(build_with_cublas)
+level7_fused/liblenet.so: level7_fused/lenet.cu $(LENET6_SOURCES)
+	$(build_with_cudnn)
 
 # The lab's grader (common/grade.py, LABS.md) reaches each task's functions alone, through these: level 4's layer
 # functions, its memory functions under ASan + UBSan, and on a GPU machine level 5's kernels and level 7's device code.
@@ -98,7 +109,8 @@ build/lab_memory: tests/lab_memory.c level4_c/mlp.c common/mlp.h common/mlp_stat
 	@mkdir -p build
 	$(CC) -g -O1 -std=c11 -Wall -Wextra -Werror -fsanitize=address,undefined -fno-sanitize-recover=all -Icommon \
 		-o $@ $< -lm
-build/lab_level5.so: tests/lab_level5.cu level5_cuda_naive/mlp.cu common/cuda_mlp.cuh common/mlp.h common/mlp_status.h
+build/lab_level5.so: tests/lab_level5.cu level5_cuda_naive/lenet.cu level5_cuda_naive/mlp.cu common/cuda_lenet.cuh \
+		common/cuda_mlp.cuh common/lenet.h common/mlp.h common/mlp_status.h
 	@[ -n "$(NVCC)" ] || { echo "$@ needs nvcc (the CUDA toolkit)"; exit 1; }
 	@mkdir -p build
 	$(NVCC) $(NVFLAGS) -Icommon -o $@ $<
@@ -120,6 +132,10 @@ compare: $(ENV) levels
 
 bench: $(ENV) levels
 	$(PYTHON) -m common.bench $(ARGS)
+
+# LeNet-5 served from a PyTorch state_dict by the GPU levels, checked against PyTorch and timed (a GPU machine).
+infer: $(ENV) levels
+	$(PYTHON) -m common.infer $(ARGS)
 
 test: $(ENV) levels $(LAB_LIBS)
 	$(PYTHON) -m pytest $(ARGS)
@@ -173,4 +189,4 @@ notebooks: $(ENV) levels
 	$(VENV)/bin/jupyter lab
 
 clean:
-	rm -rf level4_c/libmlp.so level4_c/liblenet.so level5_cuda_naive/libmlp.so level5_cuda_naive/liblenet.so level6_cublas/libmlp.so level6_cublas/liblenet.so level7_fused/libmlp.so build
+	rm -rf level4_c/libmlp.so level4_c/liblenet.so level5_cuda_naive/libmlp.so level5_cuda_naive/liblenet.so level6_cublas/libmlp.so level6_cublas/liblenet.so level7_fused/libmlp.so level7_fused/liblenet.so build

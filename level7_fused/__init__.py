@@ -1,4 +1,5 @@
-"""Level 7: one fused, persistent CUDA kernel for the steps of an epoch (mlp.cu), through the shared cffi binding.
+"""Level 7: one fused, persistent CUDA kernel for the steps of an epoch (mlp.cu), and for LeNet-5 one fused kernel for
+its forward (lenet.cu: inference; its training is level 6's), through the shared cffi binding.
 
 Build with `make level7`. Where a size does not fit on chip, an epoch runs level 6's queued kernels instead
 (correct, slower); `MLP(params).plan(batch_size)` says which path a batch size takes, and train_epoch warns,
@@ -10,8 +11,9 @@ import warnings
 import numpy as np
 
 from common.levels import level
-from common.native import ffi, native_level
+from common.native import ffi, lazy_lenet, native_level
 
+__all__ = ["MLP", "LeNet"]
 ffi.cdef("const char *mlp_fused_plan(mlp *m, int batch_size);")  # level 7's one function beyond mlp.h
 
 
@@ -36,3 +38,6 @@ class MLP(native_level(level(7))):
             self._warned.add(batch)
             warnings.warn(f"level 7 runs this epoch with {plan}", RuntimeWarning, stacklevel=2)
         return losses
+
+
+__getattr__ = lazy_lenet(level(7), globals())

@@ -114,8 +114,8 @@ BUGS = [
      "LeNet: TF32 left on in cuDNN (FP32 convolutions on tensor cores)"),
     (6, "level6_cublas/lenet.cu", "BACKWARD_FILTER = CUDNN_CONVOLUTION_BWD_FILTER_ALGO_FFT;",
      "BACKWARD_FILTER = CUDNN_CONVOLUTION_BWD_FILTER_ALGO_0;", "LeNet: a non-deterministic backward algorithm"),
-    (6, "level6_cublas/lenet.cu", "status = one_step(m, s->step_order, B, lr, s->step_loss);",
-     "status = one_step(m, m->order, B, lr, s->step_loss);",
+    (6, "level6_cublas/lenet.cu", "return one_step(m, s->step_order, B, lr, s->step_loss); });",
+     "return one_step(m, m->order, B, lr, s->step_loss); });",
      "LeNet: the step's graph captured with a stale input pointer (every replay takes the first rows)"),
     (7, "level7_fused/mlp.cu", "        grid_barrier(a.barrier, G);\n        PHASE(3);", "        PHASE(3);",
      "the grid barrier missing: blocks read partial logits not yet written"),
@@ -123,6 +123,13 @@ BUGS = [
      "a wrong owner of a weight slice: neighbouring blocks share a unit"),
     (7, "level7_fused/mlp.cu", "rows = min(B, a.n_order - start);", "rows = B;",
      "the partial last batch taken as a whole one"),
+    # LeNet-5 (level7_fused/lenet.cu): its forward, one fused kernel
+    (7, "level7_fused/lenet.cu", "        __syncthreads();          /* and everyone's */\n", "",
+     "LeNet: no __syncthreads() between loading the images and convolving them"),
+    (7, "level7_fused/lenet.cu", "float best = 0.0f; /* the max of the ReLUs", "float best = -INFINITY; /* the max of the ReLUs",
+     "LeNet: max-pool of the convolution before its ReLU (a window of negatives pools to a negative)"),
+    (7, "level7_fused/lenet.cu", "    for (int i = n / 4 * 4 + threadIdx.x; i < n; i += blockDim.x) __pipeline_memcpy_async(dst + i, src + i, 4);\n",
+     "", "LeNet: the copy's odd tail dropped (the last two of fc3's biases never reach shared memory)"),
 ]
 
 

@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 
 from common import lenet, lenet_verify, verify
-from common.levels import level, missing
+from common.levels import level
 from common.models import get
 from conftest import require, sanitize
 
 pytestmark = pytest.mark.lenet
 
 # (level, device, variant): level 1 on either device and its two PyTorch peers (level1_pytorch/peers.py); levels 4
-# and 5 with each of their two convolutions; level 6 (cuDNN).
-GPU1, GPU5, GPU6 = ([getattr(pytest.mark, f"level{n}"), pytest.mark.gpu] for n in (1, 5, 6))
+# and 5 with each of their two convolutions; level 6 (cuDNN); level 7 (level 6's training, its forward fused).
+GPU1, GPU5, GPU6, GPU7 = ([getattr(pytest.mark, f"level{n}"), pytest.mark.gpu] for n in (1, 5, 6, 7))
 IMPLEMENTATIONS = [
     pytest.param((1, "cuda", None), marks=GPU1, id="level1-cuda"),
     pytest.param((1, "cuda", "torch-eager"), marks=GPU1, id="torch-eager"),
@@ -30,6 +30,7 @@ IMPLEMENTATIONS = [
     pytest.param((5, "cuda", "direct"), marks=GPU5, id="level5-direct"),
     pytest.param((5, "cuda", "tiled"), marks=GPU5, id="level5-tiled"),
     pytest.param((6, "cuda", None), marks=GPU6, id="level6"),
+    pytest.param((7, "cuda", None), marks=GPU7, id="level7"),
 ]
 
 
@@ -73,8 +74,9 @@ def test_the_network_is_pytorchs_lenet5():
     shapes = {name: tuple(t.shape) for name, t in net.state_dict().items()}
     assert shapes == lenet.SHAPES and list(shapes) == list(lenet.PARAM_NAMES)
     assert sum(int(np.prod(s)) for s in shapes.values()) == 44_426
-    layers = [type(m).__name__ for m in net.children()]
-    assert layers == ["Conv2d", "Conv2d", "Linear", "Linear", "Linear"]
+    layers = {name: type(m).__name__ for name, m in net.named_children()}
+    assert list(layers) == list(lenet.ACTIVATIONS)  # a module per layer: forward hooks see each one
+    assert list(layers.values()) == ["Conv2d", "ReLU", "MaxPool2d"] * 2 + ["Linear", "ReLU"] * 2 + ["Linear"]
     assert (net.conv1.kernel_size, net.conv1.stride, net.conv1.padding) == ((5, 5), (1, 1), (0, 0))
 
 
@@ -224,7 +226,8 @@ def test_gpu_reruns_are_bit_identical_at_odd_sizes(request, mnist, number, convo
     np.testing.assert_allclose(runs[0][1], cpu.forward(X), rtol=1e-4, atol=1e-4)
 
 
-# Partial batches (75 = 2 x 37 + 1), tiles cut by the image's edge, a forward pass across FORWARD_CHUNK (1,030 rows).
+# Partial batches (75 = 2 x 37 + 1), tiles cut by the image's edge, a forward pass across FORWARD_CHUNK (1,030 rows),
+# and inference: its graph, recaptured for another batch, and every layer kept (level 7's fused kernel).
 SANITIZER_SCRIPT = """
 import numpy as np
 from common.lenet import init_params
@@ -236,12 +239,17 @@ for convolution in {convolutions}:
     model.train_epoch(X[:75], y[:75], 37, 0.05)
     model.forward(X)
     model.layers(X[:5], y[:5])
+    for rows in (1, 1030, 3):
+        model.infer_load(X[:rows])
+        model.infer_run()
+        model.infer_layers()
 """
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("number", [pytest.param(5, marks=pytest.mark.level5, id="level5"),
-                                    pytest.param(6, marks=pytest.mark.level6, id="level6")])
+                                    pytest.param(6, marks=pytest.mark.level6, id="level6"),
+                                    pytest.param(7, marks=pytest.mark.level7, id="level7")])
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])
 def test_gpu_kernels_are_clean_under_compute_sanitizer(request, tool, number):
     """A read past the halo, a tile read before every thread has written it, a barrier some threads skip: none need
@@ -253,7 +261,6 @@ def test_gpu_kernels_are_clean_under_compute_sanitizer(request, tool, number):
 
 def test_the_model_list_names_each_networks_parts():
     model = get("lenet")
-    assert model.network is lenet and model.levels == (1, 2, 3, 4, 5, 6)
+    assert model.network is lenet and model.levels == (1, 2, 3, 4, 5, 6, 7)
     assert model.float64_step() is lenet_verify.LeNetStep
     assert "no model 'resnet'" in str(pytest.raises(KeyError, get, "resnet").value)
-    assert "does not implement LeNet-5" in missing(level(7), "cpu", "lenet")[0]
