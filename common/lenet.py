@@ -50,12 +50,19 @@ def init_params(seed: int, hidden: int | None = None) -> dict[str, np.ndarray]:
     return params
 
 
+CONV1_MACS, CONV2_MACS = 6 * 24 * 24 * 25, 16 * 8 * 8 * 150  # multiply-adds of one image's convolutions
+FC_MACS = 120 * 256 + 84 * 120 + 10 * 84
+
+
 def flops_per_step(batch: int, hidden: int | None = None) -> int:
     """Multiply-adds x2 of a step: every layer's product forward, its weight gradient, and its input gradient but the
     first convolution's (no gradient for the pixels)."""
-    conv1, conv2 = 6 * 24 * 24 * 25, 16 * 8 * 8 * 150
-    fc = 120 * 256 + 84 * 120 + 10 * 84
-    return 2 * batch * (3 * (conv1 + conv2 + fc) - conv1)
+    return 2 * batch * (3 * (CONV1_MACS + CONV2_MACS + FC_MACS) - CONV1_MACS)
+
+
+def forward_flops(batch: int) -> int:
+    """Multiply-adds x2 of the forward pass alone (inference)."""
+    return 2 * batch * (CONV1_MACS + CONV2_MACS + FC_MACS)
 
 
 # ---- the float64 step, its decisions exposed ----

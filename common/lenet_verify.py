@@ -176,12 +176,12 @@ FORWARD = ("conv1", "relu1", "pool1", "conv2", "relu2", "pool2", "fc1", "relu3",
 EXACT = ("relu1", "pool1", "relu2", "pool2", "relu3", "relu4")  # no rounding: given the same input, the same output
 
 
-def layer_references(params: dict, x: np.ndarray, y: np.ndarray, outputs: dict, grads: dict):
+def layer_references(params: dict, x: np.ndarray, y: np.ndarray | None, outputs: dict, grads: dict | None):
     """For each layer, from an implementation's own inputs to it: its output and the gradient of its input, in
-    float64. outputs and grads: the implementation's, by layer (lenet.ACTIVATIONS)."""
+    float64. outputs and grads: the implementation's, by layer (lenet.ACTIVATIONS); grads None: the outputs only."""
     p = {k: torch.tensor(np.asarray(v, dtype=np.float64)) for k, v in params.items()}
     t = {k: torch.tensor(np.asarray(v, dtype=np.float64)) for k, v in outputs.items()}
-    g = {k: torch.tensor(np.asarray(v, dtype=np.float64)) for k, v in grads.items()}
+    g = {k: torch.tensor(np.asarray(v, dtype=np.float64)) for k, v in (grads or {}).items()}
     image = torch.tensor(np.asarray(x, dtype=np.float64)).reshape(-1, 1, lenet.IMAGE, lenet.IMAGE)
     ops = {
         "conv1": (lambda a: F.conv2d(a, p["conv1.weight"], p["conv1.bias"]), image),
@@ -194,12 +194,14 @@ def layer_references(params: dict, x: np.ndarray, y: np.ndarray, outputs: dict, 
     }
     forward, backward = {}, {}
     for name, (op, given) in ops.items():
-        leaf = given.clone().requires_grad_(name != "conv1")
+        leaf = given.clone().requires_grad_(name != "conv1" and grads is not None)
         out = op(leaf)
         forward[name] = out.detach().numpy()
-        if name != "conv1":  # the gradient of the layer's input, from the implementation's gradient of its output
+        if name != "conv1" and grads is not None:  # its input's gradient, from the implementation's of its output
             out.backward(g[name])
             backward[name] = leaf.grad.numpy()
+    if grads is None:
+        return forward, backward
     logits = t["fc3"].clone().requires_grad_()
     F.cross_entropy(logits, torch.tensor(np.asarray(y, dtype=np.int64))).backward()
     backward["loss"] = logits.grad.numpy()
@@ -220,6 +222,19 @@ def per_layer(level_layers: tuple[dict, dict], reference_layers: tuple[dict, dic
     checks += [(f"d{name}", grads[previous[name]], mine[1][name], ref_grads[previous[name]], theirs[1][name],
                 name in EXACT) for name in FORWARD if name in previous]
     checks.append(("dloss", grads["fc3"], mine[1]["loss"], ref_grads["fc3"], theirs[1]["loss"], False))
+    return _judge(checks)
+
+
+def per_layer_forward(outputs: dict, reference_outputs: dict, params: dict, x: np.ndarray):
+    """per_layer's forward half, for inference (no labels, no gradients): every layer's output against float64 from
+    the implementation's own inputs, allowed YARDSTICK times the reference's distance (PyTorch's) and the rest."""
+    mine, theirs = (layer_references(params, x, None, layers, None)[0] for layers in (outputs, reference_outputs))
+    return _judge([(name, outputs[name], mine[name], reference_outputs[name], theirs[name], name in EXACT)
+                   for name in FORWARD])
+
+
+def _judge(checks: list[tuple]) -> tuple[dict[str, float], str | None]:
+    """Each check (name, got, its float64, the reference's got, its float64, exact op) against its allowance."""
     shares, failure = {}, None
     for name, got, exact, ref_got, ref_exact, exact_op in checks:
         distance, own = _norm(got - exact), _norm(ref_got - ref_exact)

@@ -20,25 +20,24 @@ from level1_pytorch.mlp import Model, _as_tensor
 
 
 class Net(nn.Module):
-    """conv1 -> ReLU -> max-pool -> conv2 -> ReLU -> max-pool -> fc1 -> ReLU -> fc2 -> ReLU -> fc3."""
+    """conv1 -> ReLU -> max-pool -> conv2 -> ReLU -> max-pool -> fc1 -> ReLU -> fc2 -> ReLU -> fc3, each layer a module
+    named as in lenet.ACTIVATIONS, so that a forward hook can watch any of them (common/infer.py does)."""
 
     def __init__(self):
         super().__init__()
-        self.conv1 = nn.Conv2d(1, 6, lenet.KERNEL)
-        self.conv2 = nn.Conv2d(6, 16, lenet.KERNEL)
-        self.fc1 = nn.Linear(256, 120)
-        self.fc2 = nn.Linear(120, 84)
+        self.conv1, self.relu1, self.pool1 = nn.Conv2d(1, 6, lenet.KERNEL), nn.ReLU(), nn.MaxPool2d(2)
+        self.conv2, self.relu2, self.pool2 = nn.Conv2d(6, 16, lenet.KERNEL), nn.ReLU(), nn.MaxPool2d(2)
+        self.fc1, self.relu3 = nn.Linear(256, 120), nn.ReLU()
+        self.fc2, self.relu4 = nn.Linear(120, 84), nn.ReLU()
         self.fc3 = nn.Linear(84, lenet.N_OUT)
 
     def forward(self, x: torch.Tensor, keep: dict | None = None) -> torch.Tensor:
         """Logits of x (N, 784); with `keep`, every layer's output is stored there by name (lenet.ACTIVATIONS)."""
-        keep = {} if keep is None else keep
         a = x.reshape(-1, 1, lenet.IMAGE, lenet.IMAGE)
-        for name, layer in (("conv1", self.conv1), ("relu1", torch.relu), ("pool1", lambda t: F.max_pool2d(t, 2)),
-                            ("conv2", self.conv2), ("relu2", torch.relu), ("pool2", lambda t: F.max_pool2d(t, 2)),
-                            ("fc1", lambda t: self.fc1(t.flatten(1))), ("relu3", torch.relu), ("fc2", self.fc2),
-                            ("relu4", torch.relu), ("fc3", self.fc3)):
-            a = keep[name] = layer(a)
+        for name in lenet.ACTIVATIONS:
+            a = getattr(self, name)(a.flatten(1) if name == "fc1" else a)  # fc1 reads pool2 flattened
+            if keep is not None:
+                keep[name] = a
         return a
 
 
