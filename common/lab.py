@@ -54,6 +54,7 @@ FLOAT64 = "against float64 at odd sizes and on MNIST rows"
 NUMPY_LENET = "level3_numpy/lenet.py"
 C_LENET = "level4_c/lenet.c"
 CONV64 = "against float64 at odd sizes and on MNIST digits"
+CUDA_LENET = "level5_cuda_naive/lenet.cu"
 
 _WRITTEN = (
     Task("2.1", "linear layer", "level2_theory/backprop.py", "forward; dx, dW, db by finite differences, autograd", 3),
@@ -100,6 +101,9 @@ _WRITTEN = (
     Task("5.7", "softmax_xent_forward", CUDA_SHARED, f"loss and softmax {FLOAT64}; logits of 2,000", 4),
     Task("5.8", "softmax_xent_backward", CUDA_SHARED, "(p - onehot(y)) / B against float64", 1),
     Task("5.9", "sgd_update", CUDA_SHARED, "in place, against float64", 1),
+    Task("5.11", "conv2d_forward", CUDA_LENET, f"a thread per output {CONV64}; no write past out", 3),
+    Task("5.12", "conv2d_forward_tiled", CUDA_LENET,
+         f"shared-memory tiles and their halo {CONV64}; tiles cut by the edge, no write past out", 5),
     Task("6.1", "out = x @ w^T", CUBLAS, "the call through cuBLAS's column-major rules (common/sgemm.py)", 3),
     Task("6.2", "dw = dout^T @ x", CUBLAS, "the call through cuBLAS's column-major rules (common/sgemm.py)", 3),
     Task("6.3", "dx = dout @ w", CUBLAS, "the call through cuBLAS's column-major rules (common/sgemm.py)", 3),

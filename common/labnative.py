@@ -141,6 +141,15 @@ class Level5Layers(NativeLayers):
         self._call("bias_backward", db, dout, *dout.shape)
         return db
 
+    def conv2d_forward(self, x, w, b, tiled=False):
+        (n, c, h, _), (f, _, k, _) = x.shape, w.shape
+        out = np.empty((n, f, h - k + 1, h - k + 1), np.float32)
+        self._call("conv2d_forward", out, np.ascontiguousarray(x), w, b, n, c, h, f, k, int(tiled))
+        return out
+
+    def conv2d_forward_tiled(self, x, w, b):
+        return self.conv2d_forward(x, w, b, tiled=True)
+
 
 def layers(number: int, root: Path = ROOT):
     """The layer functions of native level 4 or 5, from its lab library under root."""

@@ -40,6 +40,7 @@
  * Thread (n, f, oy, ox) starts at the bias and adds the k x k window of every channel, in level 4's order. */
 __global__ void conv2d_forward_kernel(float *out, const float *x, const float *w, const float *b, int B, int C, int H,
                                       int F, int k) {
+    /* BEGIN LAB 5.11 conv2d_forward */
     const int OH = H - k + 1;
     const size_t i = thread_index();
     if (i >= (size_t)B * F * OH * OH) return;
@@ -52,14 +53,17 @@ __global__ void conv2d_forward_kernel(float *out, const float *x, const float *w
             for (int v = 0; v < k; v++) sum += wk[u * k + v] * in[u * H + v];
     }
     out[i] = sum;
+    /* END LAB */
 }
 
 static int conv2d_forward(lenet *m, float *out, const float *x, const float *w, const float *b, int B, int C, int H,
                           int F, int k) {
+    /* BEGIN LAB 5.11 conv2d_forward */
     const size_t n = (size_t)B * F * (H - k + 1) * (H - k + 1);
     conv2d_forward_kernel<<<blocks_for(n), THREADS, 0, m->base.stream>>>(out, x, w, b, B, C, H, F, k);
     CUDA_CHECK(cudaGetLastError());
     return MLP_OK;
+    /* END LAB */
 }
 
 /* dx (B, C, H, H): thread (n, c, y, x) gathers every output its input fed, dout[n, f, y - u, x - v] * w[f, c, u, v]
@@ -140,6 +144,7 @@ enum { IN = CONV_TILE + K - 1, ROW_THREADS = CONV_TILE / CONV_COLUMNS, IMAGE_THR
 
 __global__ void conv2d_forward_tiled_kernel(float *out, const float *x, const float *w, const float *b, int B, int C,
                                             int H, int F) {
+    /* BEGIN LAB 5.12 conv2d_forward_tiled */
     extern __shared__ float shared[];
     const int OH = H - K + 1, tiles = (OH + CONV_TILE - 1) / CONV_TILE;
     const int tile = blockIdx.x % (tiles * tiles), oy0 = tile / tiles * CONV_TILE, ox0 = tile % tiles * CONV_TILE;
@@ -180,10 +185,12 @@ __global__ void conv2d_forward_tiled_kernel(float *out, const float *x, const fl
     for (int f = 0; f < filters; f++)
         for (int j = 0; j < CONV_COLUMNS && ox + j < OH; j++)
             out[((n * F + f0 + f) * OH + oy) * OH + ox + j] = sum[f][j];
+    /* END LAB */
 }
 
 static int conv2d_forward_tiled(lenet *m, float *out, const float *x, const float *w, const float *b, int B, int C,
                                 int H, int F) {
+    /* BEGIN LAB 5.12 conv2d_forward_tiled */
     const int tiles = (H - K + CONV_TILE) / CONV_TILE;
     const dim3 grid((unsigned)((B + CONV_IMAGES - 1) / CONV_IMAGES * tiles * tiles),
                     (F + CONV_FILTERS - 1) / CONV_FILTERS);
@@ -192,6 +199,7 @@ static int conv2d_forward_tiled(lenet *m, float *out, const float *x, const floa
                                                                                                 F);
     CUDA_CHECK(cudaGetLastError());
     return MLP_OK;
+    /* END LAB */
 }
 
 /* ---- max-pooling ---- */

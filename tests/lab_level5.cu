@@ -6,7 +6,7 @@
  * status (a student edition's stub: MLP_ERR_ARG, "lab 5.N: ... is not written yet"). Built on a GPU machine by
  * `make build/lab_level5.so`; the Python side reads the declarations between the cdef markers.
  */
-#include "../level5_cuda_naive/mlp.cu"
+#include "../level5_cuda_naive/lenet.cu" /* LeNet's kernels, and the MLP's through it (mlp.cu) */
 
 #include <vector>
 
@@ -22,6 +22,8 @@ int lab_relu_backward(float *dh, const float *da, const float *h, size_t n);
 int lab_softmax_xent_forward(float *loss, float *probs, const float *logits, const int *y, int B, int n_out);
 int lab_softmax_xent_backward(float *dlogits, const float *probs, const int *y, int B, int n_out);
 int lab_sgd_update(float *p, const float *dp, float lr, size_t n);
+int lab_conv2d_forward(float *out, const float *x, const float *w, const float *b, int B, int C, int H, int F, int k,
+                       int tiled);
 /* cdef-end */
 }
 
@@ -170,4 +172,22 @@ int lab_sgd_update(float *p, const float *dp, float lr, size_t n) {
     if (!status) status = d.copy(&d_dp, dp, n);
     if (!status) status = sgd_update(&m, d_p, d_dp, lr, n);
     return back(status, p, d_p, n);
+}
+
+/* LeNet's convolution, direct (conv2d_forward) or tiled (conv2d_forward_tiled: 5 x 5 filters only). */
+int lab_conv2d_forward(float *out, const float *x, const float *w, const float *b, int B, int C, int H, int F, int k,
+                       int tiled) {
+    if (tiled && k != K) return FAIL(MLP_ERR_ARG, "the tiled convolution takes %d x %d filters, got %d", K, K, k);
+    Device d;
+    lenet m{}; /* the convolutions use only its stream: here the default one */
+    const size_t outputs = (size_t)B * F * (H - k + 1) * (H - k + 1);
+    float *d_out = NULL, *d_x = NULL, *d_w = NULL, *d_b = NULL;
+    int status = d.copy(&d_out, (const float *)NULL, outputs);
+    if (!status) status = d.copy(&d_x, x, (size_t)B * C * H * H);
+    if (!status) status = d.copy(&d_w, w, (size_t)F * C * k * k);
+    if (!status) status = d.copy(&d_b, b, (size_t)F);
+    if (!status)
+        status = tiled ? conv2d_forward_tiled(&m, d_out, d_x, d_w, d_b, B, C, H, F)
+                       : conv2d_forward(&m, d_out, d_x, d_w, d_b, B, C, H, F, k);
+    return back(status, out, d_out, outputs);
 }

@@ -311,6 +311,24 @@ def test_conv2d_forward(layers, images, n, c, h, f, k):
     assert_within(out, exact, bound, "out", suspects)
 
 
+# The tiled convolution's shapes (5x5 filters): conv1 on MNIST digits and conv2, as LeNet runs them; then an output
+# of 9x9 (a tile of 8 and a cut one), 3 images and 5 filters (a group of each cut short), and a single output.
+TILED = [(3, 1, 28, 6, 5), (2, 6, 12, 16, 5), (3, 2, 13, 5, 5), (1, 2, 5, 3, 5)]
+
+
+@pytest.mark.parametrize("n, c, h, f, k", TILED, ids=["mnist", "conv2", "cut", "1x1"])
+@pytest.mark.parametrize("task", task_params("conv2d_forward_tiled"))
+def test_conv2d_forward_tiled(layers, images, n, c, h, f, k):
+    """As test_conv2d_forward: a tile's halo one row short, or a read before the tile is in, is off by more than
+    rounding somewhere; a write past the output is caught by the guard after it (tests/lab_level5.cu)."""
+    x, w, b = conv_inputs(n, c, h, f, k, images)
+    out = layers.conv2d_forward_tiled(x, w, b)
+    exact = F.conv2d(torch64(x), torch64(w), torch64(b)).numpy()
+    bound = gamma(c * k * k + 1) * (F.conv2d(torch64(np.abs(x)), torch64(np.abs(w))).numpy()
+                                    + np.abs(f64(b))[:, None, None])
+    assert_within(out, exact, bound, "out", {NO_BIAS: F.conv2d(torch64(x), torch64(w)).numpy()})
+
+
 @pytest.mark.parametrize("n, c, h, f, k", CONVS, ids=CONV_IDS)
 @pytest.mark.parametrize("task", task_params("conv2d_backward"))
 def test_conv2d_backward(layers, images, n, c, h, f, k):
