@@ -3,9 +3,9 @@
  *
  * Included by level5_cuda_naive/lenet.cu (our own convolution and pooling kernels) and level6_cublas/lenet.cu
  * (cuDNN's, and through it level7_fused/lenet.cu, whose inference forward is one fused kernel), each after its level's
- * mlp.cu, whose layer functions serve the fully connected layers, the ReLUs, the
- * loss, the batch gather and SGD here too (level 5's kernels, or level 6's cuBLAS). Each level then defines the hooks
- * declared below, so diffing the two levels shows only how a convolution and a pool are computed.
+ * mlp.cu, whose layer functions serve the fully connected layers, the ReLUs, the loss, the batch gather and SGD here
+ * too (level 5's kernels, or level 6's cuBLAS). Each level then defines the hooks declared below, so diffing the two
+ * levels shows only how a convolution and a pool are computed.
  */
 #ifndef CUDA_LENET_CUH
 #define CUDA_LENET_CUH
@@ -240,7 +240,10 @@ int lenet_destroy(lenet *m) {
     const int mlp_status = level_destroy(&m->base);
     if (!status) status = mlp_status;
     cudaError_t err = free_device({m->params, m->grads, m->data_x, m->data_y, m->order, m->losses, m->infer_block});
-    if (m->forward_graph && err == cudaSuccess) err = cudaGraphExecDestroy(m->forward_graph);
+    if (m->forward_graph) {
+        const cudaError_t graph_err = cudaGraphExecDestroy(m->forward_graph);
+        if (err == cudaSuccess) err = graph_err;
+    }
     const cudaError_t batch_err = free_batch(m);
     if (err == cudaSuccess) err = batch_err;
     if (m->base.stream) {
