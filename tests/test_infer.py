@@ -112,7 +112,8 @@ def test_every_layer_matches_pytorchs_forward_hooks(make, trained, test_digits, 
     X, labels = test_digits
     net = infer.pytorch_net(trained, "cpu")
     logits = infer.pytorch_logits(net, X)
-    check = infer.check_level(make(trained), trained, X, labels, infer.hooked_layers(net, X[:infer.CHECK_DIGITS]), logits)
+    layers = infer.hooked_layers(net, X[:infer.CHECK_DIGITS])
+    check = infer.check_level(make(trained), trained, X, labels, layers, logits)
     assert check["failure"] is None, check["failure"]
     assert check["per_layer"] <= 1 and abs(check["accuracy"] - (logits.argmax(1) == labels).mean()) < 0.01
 
