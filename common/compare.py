@@ -9,7 +9,7 @@ same order. Each level's uninterrupted run is timed; then each is verified again
 the gold standard, by the two checks of common/verify.py: lockstep at every step of the run, and its
 free run against float32 noise measured by level 1's float64 twin. Writes results.json and two plots
 (loss_curves.png, lockstep.png) to the output folder, prints one table, and exits non-zero when a level
-fails a check or diverges.
+fails a check or diverges (on a GPU the peers of level1_pytorch/peers.py are checked too; their verdicts are reported).
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from common.data import load_mnist, normalize
 from common.levels import LEVELS, ROOT, Level, gpu_available, level, missing
 from common.model import HIDDEN
 from common.models import MODELS, get
+from level1_pytorch.peers import NAMES as PEERS  # on a GPU, the yardsticks of speed
 
 REFERENCE = "level1[cpu]"
-PEERS = ("torch-eager", "torch-graph")  # level1_pytorch/peers.py: on a GPU, the yardsticks of speed
 
 
 @dataclass
@@ -79,11 +79,18 @@ def factory(lv: Level, device: str, model: str = "mlp", **options) -> Callable:
 
 
 def peer_runs(model: str) -> list[Run]:
-    """The PyTorch peers of a network on the GPU (level1_pytorch/peers.py), for the speed columns; verified like the
-    levels."""
+    """The peers of a network on the GPU that this machine has (level1_pytorch/peers.py), for the speed columns;
+    verified like the levels."""
     from level1_pytorch.peers import peers
 
     return [Run(f"{name}[cuda]", 1, "cuda", cls) for name, cls in peers(model).items()]
+
+
+def missing_peers() -> dict[str, str]:
+    """The peers this machine lacks, and why."""
+    from level1_pytorch.peers import missing
+
+    return {name: why for name in PEERS if (why := missing(name))}
 
 
 def epoch_order(n: int, epoch: int, seed: int, shuffle: bool) -> np.ndarray:
@@ -161,7 +168,7 @@ def machine() -> dict[str, str]:
 
 def summarize(runs: list[Run], args, steps_per_epoch: int) -> list[dict]:
     """One table row per run. Times are the median epoch (one disturbed epoch cannot move a ratio); speedups are
-    against level 1 on the CPU and, on a GPU, against the two PyTorch peers, all measured in this same run."""
+    against level 1 on the CPU and, on a GPU, against each peer, all measured in this same run."""
     def median_epoch(run: Run) -> float:
         return float(np.median(run.epoch_seconds))
 
@@ -179,8 +186,7 @@ def summarize(runs: list[Run], args, steps_per_epoch: int) -> list[dict]:
             "us_per_step": 1e6 * epoch / steps_per_epoch,
             "steps_per_s": steps_per_epoch / epoch,
             "speedup_vs_level1": reference / epoch,
-            "speedup_vs_eager": peer["torch-eager"] / epoch if peer["torch-eager"] else None,
-            "speedup_vs_graph": peer["torch-graph"] / epoch if peer["torch-graph"] else None,
+            **{f"speedup_vs_{short}": peer[name] / epoch if peer[name] else None for name, short in PEERS.items()},
             "gflops": get(args.model).network.flops_per_step(args.batch, args.hidden) * steps_per_epoch / epoch / 1e9,
             "final_loss": float(np.mean(run.losses[-steps_per_epoch:])),
             "test_accuracy": run.test_accuracy,
@@ -202,16 +208,17 @@ def print_table(rows: list[dict]) -> None:
 
     lockstep and free run: the largest share of its tolerance a level used (1.00 = at the limit; above: FAIL).
     """
-    gpu = any(r["speedup_vs_graph"] for r in rows)
+    peers = [short for short in PEERS.values() if any(r.get(f"speedup_vs_{short}") for r in rows)]
     head = (
         f"{'level':<19}{'train s':>9}{'us/step':>10}{'steps/s':>10}{'vs L1 cpu':>10}"
-        + (f"{'vs eager':>10}{'vs graph':>10}" if gpu else "")
+        + "".join(f"{'vs ' + short:>11}" for short in peers)
         + f"{'GFLOP/s':>9}{'loss':>9}{'test acc':>10}{'lockstep':>10}{'ties':>6}{'free run':>10}  check"
     )
     print(head)
     print("-" * len(head))
     for r in rows:
-        vs_peers = f"{r['speedup_vs_eager']:>9.2f}x{r['speedup_vs_graph']:>9.2f}x" if gpu else ""
+        vs_peers = "".join(f"{r[f'speedup_vs_{short}']:>10.2f}x" if r.get(f"speedup_vs_{short}") else f"{'-':>11}"
+                           for short in peers)
         check = "ok" if r["agrees"] else ("DIVERGED" if "diverged" in (r["failure"] or "") else "FAIL")
         print(
             f"{r['level']:<19}{r['train_s']:>9.2f}{r['us_per_step']:>10.1f}{r['steps_per_s']:>10.0f}"
@@ -292,7 +299,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--out", type=Path, default=ROOT / "results" / "local", help="folder for results.json and plots")
     p.add_argument("--quiet", action="store_true", help="no progress bars (also when not on a terminal or in CI)")
-    p.add_argument("--no-peers", action="store_true", help="on a GPU, leave out the PyTorch peers (eager, CUDA graph)")
+    p.add_argument("--no-peers", action="store_true", help="on a GPU, leave out the peers (level1_pytorch/peers.py)")
     args = p.parse_args(argv)
     network = get(args.model)
     for name, value in network.run.items():
@@ -361,8 +368,11 @@ def main(argv: list[str] | None = None) -> int:
             options = {"convolution": convolution} if convolution else {}
             label = f"{lv.name}[{', '.join([device, *options.values()])}]"
             runs.append(Run(label, lv.number, device, factory(lv, device, args.model, **options)))
+    absent = {}
     if gpu_available() and not args.no_peers:
         runs += peer_runs(args.model)
+        for name, why in (absent := missing_peers()).items():
+            print(f"skipping the peer {name}: {why}")
     if not runs or runs[0].label != REFERENCE:
         raise SystemExit(f"{REFERENCE} must run: it is the reference every level is checked against")
     for run in runs:
@@ -391,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         "rules": {"yardstick": verify.YARDSTICK, "loss_rtol": verify.LOSS_RTOL, "loss_atol": verify.LOSS_ATOL,
                   "free_k": verify.FREE_K, "free_floor": verify.FREE_FLOOR, "accuracy_floor_images": verify.ACC_FLOOR},
         "table": rows,
+        "peers_not_run": absent,
         "runs": [_for_json(run) for run in runs + [twin]],
     }
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
@@ -403,7 +414,9 @@ def main(argv: list[str] | None = None) -> int:
     failed = [run for run in runs if run.failure]
     for run in failed:
         print(f"FAIL: {run.label} {run.failure}" if "diverged" not in run.failure else f"DIVERGED: {run.label} {run.failure}")
-    return 1 if failed else 0
+    # the peers are yardsticks: a failed check is reported (their arithmetic misses the rule), the exit status is the
+    # levels'
+    return 1 if any(run.label.split("[")[0] not in PEERS for run in failed) else 0
 
 
 def size_note(args) -> str:

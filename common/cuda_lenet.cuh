@@ -173,8 +173,8 @@ static int ensure_batch(lenet *m, int rows) {
     size_t floats = 0, ints = 0;
     for (int size : ROW_SIZES) floats += aligned(R * size);
     for (int size : ROW_INT_SIZES) ints += aligned(R * size);
-    CUDA_CHECK(cudaMalloc(&m->batch, sizeof(float) * floats));
-    CUDA_CHECK(cudaMalloc(&m->ints, sizeof(int) * ints));
+    CUDA_CHECK(device_malloc(&m->batch, sizeof(float) * floats));
+    CUDA_CHECK(device_malloc(&m->ints, sizeof(int) * ints));
     float **buffers[] = {&m->x, &m->h1, &m->a1, &m->p1, &m->h2, &m->a2, &m->p2, &m->f1, &m->r3, &m->f2, &m->r4,
                          &m->logits, &m->dh1, &m->da1, &m->dp1, &m->dh2, &m->da2, &m->dp2, &m->df1, &m->dr3, &m->df2,
                          &m->dr4, &m->dlogits, &m->row_loss};
@@ -203,8 +203,8 @@ static int init_model(lenet *m) {
     int status = level_create(&m->base);
     if (!status) status = level_state_create(m);
     if (status) return status;
-    CUDA_CHECK(cudaMalloc(&m->params, sizeof(float) * N_PARAMS));
-    CUDA_CHECK(cudaMalloc(&m->grads, sizeof(float) * N_PARAMS));
+    CUDA_CHECK(device_malloc(&m->params, sizeof(float) * N_PARAMS));
+    CUDA_CHECK(device_malloc(&m->grads, sizeof(float) * N_PARAMS));
     CUDA_CHECK(cudaMemsetAsync(m->params, 0, sizeof(float) * N_PARAMS, m->base.stream));
     CUDA_CHECK(cudaMemsetAsync(m->grads, 0, sizeof(float) * N_PARAMS, m->base.stream));
     CUDA_CHECK(cudaStreamSynchronize(m->base.stream));
@@ -404,7 +404,7 @@ int lenet_infer_load(lenet *m, const float *x, int n) {
         m->infer_block = NULL;
         m->moves++;
         const size_t image_floats = aligned((size_t)n * IMAGE * IMAGE);
-        CUDA_CHECK(cudaMalloc(&m->infer_block, sizeof(float) * (image_floats + aligned((size_t)n * OUT))));
+        CUDA_CHECK(device_malloc(&m->infer_block, sizeof(float) * (image_floats + aligned((size_t)n * OUT))));
         m->infer_x = m->infer_block, m->infer_logits = m->infer_block + image_floats;
         m->infer_capacity = n;
     }
@@ -448,8 +448,8 @@ int lenet_set_data(lenet *m, const float *x, const int *y, int n) {
     m->n_data = 0; /* no data set until the new one is complete */
     CUDA_CHECK(free_device({m->data_x, m->data_y}));
     m->data_x = NULL, m->data_y = NULL;
-    CUDA_CHECK(cudaMalloc(&m->data_x, sizeof(float) * (size_t)n * IMAGE * IMAGE));
-    CUDA_CHECK(cudaMalloc(&m->data_y, sizeof(int) * (size_t)n));
+    CUDA_CHECK(device_malloc(&m->data_x, sizeof(float) * (size_t)n * IMAGE * IMAGE));
+    CUDA_CHECK(device_malloc(&m->data_y, sizeof(int) * (size_t)n));
     CUDA_CHECK(cudaMemcpyAsync(m->data_x, x, sizeof(float) * (size_t)n * IMAGE * IMAGE, cudaMemcpyHostToDevice,
                                m->base.stream));
     CUDA_CHECK(cudaMemcpyAsync(m->data_y, y, sizeof(int) * (size_t)n, cudaMemcpyHostToDevice, m->base.stream));

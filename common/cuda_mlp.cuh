@@ -25,6 +25,7 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <initializer_list>
@@ -326,11 +327,32 @@ static int forward_backward(mlp *m, float *loss, const float *x, const int *y, i
 
 /* ---- memory: the model owns every buffer; they grow only when a larger batch arrives ---- */
 
-/* cudaFree each pointer (NULL is fine), going on past a failure so nothing else leaks; returns the first failure. */
+/* Every device buffer of the library is taken and given back through these two, which count the live ones: the tests
+ * read the count (mlp_device_buffers) to see that each model gives back exactly what it took, whatever else runs on
+ * the GPU. */
+static std::atomic<long long> live_buffers{0};
+
+template <typename T>
+static cudaError_t device_malloc(T **p, size_t bytes) {
+    const cudaError_t err = cudaMalloc(p, bytes);
+    if (err == cudaSuccess) live_buffers++;
+    return err;
+}
+
+static cudaError_t device_free(void *p) {
+    if (!p) return cudaSuccess;
+    const cudaError_t err = cudaFree(p);
+    if (err == cudaSuccess) live_buffers--;
+    return err;
+}
+
+long long mlp_device_buffers(void) { return live_buffers.load(); }
+
+/* device_free each pointer (NULL is fine), going on past a failure so nothing else leaks; returns the first failure. */
 static cudaError_t free_device(std::initializer_list<void *> pointers) {
     cudaError_t first = cudaSuccess;
     for (void *p : pointers) {
-        const cudaError_t err = cudaFree(p);
+        const cudaError_t err = device_free(p);
         if (first == cudaSuccess) first = err;
     }
     return first;
@@ -351,15 +373,15 @@ static int ensure_capacity(mlp *m, int rows) {
     if (status) return status;
     CUDA_CHECK(free_batch_buffers(m));
     const size_t R = (size_t)rows;
-    CUDA_CHECK(cudaMalloc(&m->x, sizeof(float) * R * m->n_in));
-    CUDA_CHECK(cudaMalloc(&m->y, sizeof(int) * R));
-    CUDA_CHECK(cudaMalloc(&m->h, sizeof(float) * R * m->hidden));
-    CUDA_CHECK(cudaMalloc(&m->a, sizeof(float) * R * m->hidden));
-    CUDA_CHECK(cudaMalloc(&m->dh, sizeof(float) * R * m->hidden));
-    CUDA_CHECK(cudaMalloc(&m->da, sizeof(float) * R * m->hidden));
-    CUDA_CHECK(cudaMalloc(&m->logits, sizeof(float) * R * m->n_out));
-    CUDA_CHECK(cudaMalloc(&m->dlogits, sizeof(float) * R * m->n_out));
-    CUDA_CHECK(cudaMalloc(&m->row_loss, sizeof(float) * R));
+    CUDA_CHECK(device_malloc(&m->x, sizeof(float) * R * m->n_in));
+    CUDA_CHECK(device_malloc(&m->y, sizeof(int) * R));
+    CUDA_CHECK(device_malloc(&m->h, sizeof(float) * R * m->hidden));
+    CUDA_CHECK(device_malloc(&m->a, sizeof(float) * R * m->hidden));
+    CUDA_CHECK(device_malloc(&m->dh, sizeof(float) * R * m->hidden));
+    CUDA_CHECK(device_malloc(&m->da, sizeof(float) * R * m->hidden));
+    CUDA_CHECK(device_malloc(&m->logits, sizeof(float) * R * m->n_out));
+    CUDA_CHECK(device_malloc(&m->dlogits, sizeof(float) * R * m->n_out));
+    CUDA_CHECK(device_malloc(&m->row_loss, sizeof(float) * R));
     m->capacity = rows;
     return MLP_OK;
 }
@@ -368,9 +390,9 @@ static int ensure_capacity(mlp *m, int rows) {
 template <typename T>
 static int ensure_buffer(T **p, int *capacity, int n) {
     if (n <= *capacity) return MLP_OK;
-    CUDA_CHECK(cudaFree(*p));
+    CUDA_CHECK(device_free(*p));
     *p = NULL, *capacity = 0;
-    CUDA_CHECK(cudaMalloc(p, sizeof(T) * (size_t)n));
+    CUDA_CHECK(device_malloc(p, sizeof(T) * (size_t)n));
     *capacity = n;
     return MLP_OK;
 }
@@ -382,14 +404,14 @@ static int init_model(mlp *m) {
     const int status = level_create(m);
     if (status) return status;
     const size_t n_w1 = (size_t)m->hidden * m->n_in, n_w2 = (size_t)m->n_out * m->hidden;
-    CUDA_CHECK(cudaMalloc(&m->w1, sizeof(float) * n_w1));
-    CUDA_CHECK(cudaMalloc(&m->dw1, sizeof(float) * n_w1));
-    CUDA_CHECK(cudaMalloc(&m->b1, sizeof(float) * m->hidden));
-    CUDA_CHECK(cudaMalloc(&m->db1, sizeof(float) * m->hidden));
-    CUDA_CHECK(cudaMalloc(&m->w2, sizeof(float) * n_w2));
-    CUDA_CHECK(cudaMalloc(&m->dw2, sizeof(float) * n_w2));
-    CUDA_CHECK(cudaMalloc(&m->b2, sizeof(float) * m->n_out));
-    CUDA_CHECK(cudaMalloc(&m->db2, sizeof(float) * m->n_out));
+    CUDA_CHECK(device_malloc(&m->w1, sizeof(float) * n_w1));
+    CUDA_CHECK(device_malloc(&m->dw1, sizeof(float) * n_w1));
+    CUDA_CHECK(device_malloc(&m->b1, sizeof(float) * m->hidden));
+    CUDA_CHECK(device_malloc(&m->db1, sizeof(float) * m->hidden));
+    CUDA_CHECK(device_malloc(&m->w2, sizeof(float) * n_w2));
+    CUDA_CHECK(device_malloc(&m->dw2, sizeof(float) * n_w2));
+    CUDA_CHECK(device_malloc(&m->b2, sizeof(float) * m->n_out));
+    CUDA_CHECK(device_malloc(&m->db2, sizeof(float) * m->n_out));
     CUDA_CHECK(cudaMemsetAsync(m->w1, 0, sizeof(float) * n_w1, m->stream));
     CUDA_CHECK(cudaMemsetAsync(m->dw1, 0, sizeof(float) * n_w1, m->stream));
     CUDA_CHECK(cudaMemsetAsync(m->b1, 0, sizeof(float) * m->hidden, m->stream));
@@ -523,12 +545,12 @@ int mlp_set_data(mlp *m, const float *x, const int *y, int n) {
     const int status = check_labels(y, n, m->n_out);
     if (status) return status;
     m->n_data = 0; /* no data set until the new one is complete */
-    CUDA_CHECK(cudaFree(m->data_x));
+    CUDA_CHECK(device_free(m->data_x));
     m->data_x = NULL;
-    CUDA_CHECK(cudaFree(m->data_y));
+    CUDA_CHECK(device_free(m->data_y));
     m->data_y = NULL;
-    CUDA_CHECK(cudaMalloc(&m->data_x, sizeof(float) * (size_t)n * m->n_in));
-    CUDA_CHECK(cudaMalloc(&m->data_y, sizeof(int) * (size_t)n));
+    CUDA_CHECK(device_malloc(&m->data_x, sizeof(float) * (size_t)n * m->n_in));
+    CUDA_CHECK(device_malloc(&m->data_y, sizeof(int) * (size_t)n));
     CUDA_CHECK(cudaMemcpyAsync(m->data_x, x, sizeof(float) * (size_t)n * m->n_in, cudaMemcpyHostToDevice, m->stream));
     CUDA_CHECK(cudaMemcpyAsync(m->data_y, y, sizeof(int) * (size_t)n, cudaMemcpyHostToDevice, m->stream));
     CUDA_CHECK(cudaStreamSynchronize(m->stream));

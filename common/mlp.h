@@ -58,6 +58,9 @@ int mlp_set_data(mlp *m, const float *x, const int *y, int n);
  * batch_size (a final partial batch is a smaller step). losses (ceil(n_order / batch_size),)
  * receives each step's mean loss, taken before that step's update. */
 int mlp_train_epoch(mlp *m, float *losses, const int *order, int n_order, int batch_size, float lr);
+
+/* The device buffers this library holds now, all its models together (0 on the CPU): a freed model gives back all. */
+long long mlp_device_buffers(void);
 /* cdef-end */
 
 #ifdef __cplusplus

@@ -55,11 +55,12 @@ class LeNet(Model):
         X = _as_tensor(check_X(X), self.device).to(self.dtype)
         y = _as_tensor(check_y(y, len(X)), self.device).long()
         keep: dict[str, torch.Tensor] = {}
-        logits = self.net(X, keep)
-        for tensor in keep.values():
-            tensor.retain_grad()
         self.optimizer.zero_grad()
-        F.cross_entropy(logits, y).backward()
+        with self.arithmetic():
+            logits = self.net(X, keep)
+            for tensor in keep.values():
+                tensor.retain_grad()
+            F.cross_entropy(logits, y).backward()
         self.optimizer.zero_grad()
         return ({k: t.detach().cpu().numpy() for k, t in keep.items()},
                 {k: t.grad.detach().cpu().numpy() for k, t in keep.items()})

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from contextlib import nullcontext
 
 # cuBLAS needs a fixed workspace to be deterministic; it reads this when its handle is created.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -85,14 +86,20 @@ class Model:
         for group in self.optimizer.param_groups:
             group["lr"] = float(lr)
         losses = torch.empty(n_steps(len(order), batch_size), device=self.device, dtype=self.dtype)
-        for step in range(len(losses)):
-            batch = order[step * batch_size : (step + 1) * batch_size]
-            loss = F.cross_entropy(self.net(X_dev[batch]), y_dev[batch])
-            self.optimizer.zero_grad()
-            loss.backward()
-            self.optimizer.step()
-            losses[step] = loss.detach()  # stays on the device: no synchronisation per step
+        with self.arithmetic():
+            for step in range(len(losses)):
+                batch = order[step * batch_size : (step + 1) * batch_size]
+                loss = F.cross_entropy(self.net(X_dev[batch]), y_dev[batch])
+                self.optimizer.zero_grad()
+                loss.backward()
+                self.optimizer.step()
+                losses[step] = loss.detach()  # stays on the device: no synchronisation per step
         return losses.cpu().numpy()
+
+    def arithmetic(self):
+        """The context of every computation of this model: nothing beyond the gold standard's settings, made in
+        __init__ (deterministic algorithms, no TF32); the benchmark's peers run in plain PyTorch's (peers.py)."""
+        return nullcontext()
 
     def _upload(self, X: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """The data set on the model's device: one copy for many epochs."""
@@ -103,15 +110,16 @@ class Model:
         X = _as_tensor(check_X(X), self.device).to(self.dtype)
         y = _as_tensor(check_y(y, len(X)), self.device).long()
         self.optimizer.zero_grad()
-        loss = F.cross_entropy(self.net(X), y)
-        loss.backward()
+        with self.arithmetic():
+            loss = F.cross_entropy(self.net(X), y)
+            loss.backward()
         grads = {name: p.grad.detach().cpu().numpy().copy() for name, p in self.net.named_parameters()}
         self.optimizer.zero_grad()
         return float(loss.detach()), grads
 
     def forward(self, X: np.ndarray) -> np.ndarray:
         """Logits (N, 10)."""
-        with torch.no_grad():
+        with torch.no_grad(), self.arithmetic():
             return self.net(_as_tensor(check_X(X), self.device).to(self.dtype)).cpu().numpy()
 
     def state_dict(self) -> dict[str, np.ndarray]:

@@ -1,17 +1,21 @@
-"""Level 1's peers: the same training step as a PyTorch user would write it for speed on a GPU.
+"""Level 1's peers: the same training step as a PyTorch or JAX user would write it for speed on a GPU.
 
 The benchmark's yardsticks for the GPU levels, measured in the same run (common/compare.py adds them on a GPU):
-  - Eager: level 1 without the deterministic-algorithm mode that the gold standard needs; everything else,
-    float32 with TF32 off included, as level 1. The plain PyTorch loop.
-  - Graph: one whole training step - gather the batch, forward, loss, backward, SGD update - captured once
+  - torch-eager: level 1 without the deterministic-algorithm mode that the gold standard needs (cuDNN free to pick
+    its algorithms); everything else, float32 with TF32 off included, as level 1. The plain PyTorch loop.
+  - torch-graph: one whole training step - gather the batch, forward, loss, backward, SGD update - captured once
     as a CUDA graph and replayed for every step, so that a step costs one graph launch instead of ~20
-    kernel launches from Python. The strongest loop a PyTorch user would write.
-Both implement the level contract (they are level 1's class with another train_epoch), so the harness verifies
-them like any level before it reports their speed. For each network (common/models.py): `peers("lenet")`.
+    kernel launches from Python.
+  - torch-compile: the same graph, around a step whose forward and backward torch.compile generated (fused kernels)
+    and PyTorch's fused SGD: the strongest loop a PyTorch user would write.
+  - jax-scan: the network in JAX, a whole epoch as one jit-compiled lax.scan (jax_peer.py), where JAX is installed.
+Each implements the level contract (the PyTorch ones are level 1's class with another train_epoch), so the harness
+verifies them like any level before it reports their speed. For each network (common/models.py): `peers("lenet")`.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from contextlib import contextmanager
 
 import numpy as np
@@ -21,30 +25,40 @@ import torch.nn.functional as F
 from common.contract import check_training, n_steps
 from level1_pytorch.mlp import Model
 
+# each peer by name, and its short name in the tables' columns (speedup_vs_<short> in results.json)
+NAMES = {"torch-eager": "eager", "torch-graph": "graph", "torch-compile": "compile", "jax-scan": "jax"}
+
 
 @contextmanager
 def plain_pytorch():
-    """PyTorch as a user runs it: deterministic algorithms off (level 1 turns them on), restored afterwards."""
-    before = torch.are_deterministic_algorithms_enabled()
+    """PyTorch as a user runs it: deterministic algorithms off and cuDNN on (level 1 needs them otherwise), restored
+    afterwards."""
+    before = torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.enabled
     torch.use_deterministic_algorithms(False)
+    torch.backends.cudnn.enabled = True
     try:
         yield
     finally:
-        torch.use_deterministic_algorithms(before)
+        torch.use_deterministic_algorithms(before[0])
+        torch.backends.cudnn.enabled = before[1]
+
+
+def batch_loss(net, X_dev, y_dev, index) -> torch.Tensor:
+    """The mean cross-entropy of the batch `index` of the data set, as level 1 computes it."""
+    return F.cross_entropy(net(X_dev[index]), y_dev[index])
 
 
 class EagerLoop(Model):
-    """Level 1's loop, without the deterministic-algorithm mode."""
+    """Level 1's loop, in plain PyTorch's arithmetic."""
 
     def __init__(self, params: dict[str, np.ndarray], device: str = "cuda"):
         super().__init__(params, device=device)
 
-    def train_epoch(self, X, y, batch_size, lr, order=None) -> np.ndarray:
-        with plain_pytorch():
-            return super().train_epoch(X, y, batch_size, lr, order)
+    def arithmetic(self):
+        return plain_pytorch()
 
 
-class GraphLoop(Model):
+class GraphLoop(EagerLoop):
     """One training step captured as a CUDA graph (per batch size and learning rate) and replayed step after step."""
 
     def __init__(self, params: dict[str, np.ndarray], device: str = "cuda"):
@@ -59,7 +73,7 @@ class GraphLoop(Model):
         order = torch.from_numpy(order).to(self.device).long()
         losses = torch.empty(n_steps(len(order), batch_size), device=self.device)
         full = len(order) // batch_size  # whole batches replay the graph; a final partial batch is one eager step
-        with plain_pytorch():
+        with self.arithmetic():
             if full:
                 graph, index, loss = self._graph(X_dev, y_dev, batch_size, float(lr))
                 for step in range(full):
@@ -74,11 +88,14 @@ class GraphLoop(Model):
         """One step, the same operations as level 1's; returns its loss (on the device)."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        loss = F.cross_entropy(self.net(X_dev[index]), y_dev[index])
+        loss = self.loss(X_dev, y_dev, index)
         self.optimizer.zero_grad(set_to_none=False)  # the graph's gradient buffers must stay where they are
         loss.backward()
         self.optimizer.step()
         return loss.detach()
+
+    def loss(self, X_dev, y_dev, index) -> torch.Tensor:
+        return batch_loss(self.net, X_dev, y_dev, index)
 
     def _graph(self, X_dev, y_dev, batch_size: int, lr: float):
         """The captured step for this data set, batch size and learning rate: (graph, its index input, its loss)."""
@@ -100,13 +117,45 @@ class GraphLoop(Model):
         return self._graphs[key]
 
 
+class CompileLoop(GraphLoop):
+    """The graphed step, its forward and backward generated by torch.compile and its update PyTorch's fused SGD."""
+
+    def __init__(self, params: dict[str, np.ndarray], device: str = "cuda"):
+        super().__init__(params, device=device)
+        self.optimizer = torch.optim.SGD(self.net.parameters(), lr=0.0, fused=True)  # one kernel for every tensor
+        # static shapes: one compilation per batch size (a partial last batch is another)
+        self._compiled = torch.compile(batch_loss, dynamic=False)
+
+    def loss(self, X_dev, y_dev, index) -> torch.Tensor:
+        return self._compiled(self.net, X_dev, y_dev, index)
+
+
 def peers(network: str = "mlp") -> dict[str, type]:
-    """The two peers of a network (common/models.py), by name: its level-1 class with each loop."""
+    """The peers of a network (common/models.py) this machine has, by name: its level-1 class with each PyTorch loop,
+    and its JAX twin where JAX is installed (missing() says why one is absent)."""
+    found = torch_peers(network)
+    if not missing("jax-scan"):
+        from level1_pytorch.jax_peer import jax_peer
+
+        found["jax-scan"] = jax_peer(network)
+    return found
+
+
+def torch_peers(network: str) -> dict[str, type]:
+    """The network's level-1 class with each PyTorch loop, by name."""
     from common.levels import level
 
     base = level(1).load(network)
-    return {"torch-eager": type(f"Eager{base.__name__}", (EagerLoop, base), {"__module__": __name__}),
-            "torch-graph": type(f"Graph{base.__name__}", (GraphLoop, base), {"__module__": __name__})}
+    loops = {"torch-eager": EagerLoop, "torch-graph": GraphLoop, "torch-compile": CompileLoop}
+    return {name: type(f"{loop.__name__.removesuffix('Loop')}{base.__name__}", (loop, base), {"__module__": __name__})
+            for name, loop in loops.items()}
 
 
-Eager, Graph = peers("mlp").values()  # the MLP's
+def missing(name: str) -> str | None:
+    """Why the peer `name` cannot run here, or None."""
+    if name == "jax-scan" and importlib.util.find_spec("jax") is None:
+        return "JAX is not installed (pip install \"jax[cuda13]\")"
+    return None
+
+
+Eager, Graph, Compile = torch_peers("mlp").values()  # the MLP's

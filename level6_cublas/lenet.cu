@@ -209,13 +209,13 @@ static int level_state_reserve(lenet *m, int rows) {
                                                                    BACKWARD_FILTER, &need[2]));
         for (size_t n : need) bytes = n > bytes ? n : bytes;
     }
-    CUDA_CHECK(cudaFree(s->plane_sums));
+    CUDA_CHECK(device_free(s->plane_sums));
     s->plane_sums = NULL;
-    CUDA_CHECK(cudaMalloc(&s->plane_sums, sizeof(float) * (size_t)rows * C2));
+    CUDA_CHECK(device_malloc(&s->plane_sums, sizeof(float) * (size_t)rows * C2));
     if (bytes <= s->workspace_bytes) return MLP_OK;
-    CUDA_CHECK(cudaFree(s->workspace));
+    CUDA_CHECK(device_free(s->workspace));
     s->workspace = NULL, s->workspace_bytes = 0;
-    CUDA_CHECK(cudaMalloc(&s->workspace, bytes));
+    CUDA_CHECK(device_malloc(&s->workspace, bytes));
     s->workspace_bytes = bytes;
     return MLP_OK;
 }
@@ -253,8 +253,8 @@ static int ensure_graph(lenet *m, int B, float lr) {
     s->step = NULL;
     CUDA_CHECK(free_device({s->step_order, s->step_loss}));
     s->step_order = NULL, s->step_loss = NULL;
-    CUDA_CHECK(cudaMalloc(&s->step_order, sizeof(int) * (size_t)B));
-    CUDA_CHECK(cudaMalloc(&s->step_loss, sizeof(float)));
+    CUDA_CHECK(device_malloc(&s->step_order, sizeof(int) * (size_t)B));
+    CUDA_CHECK(device_malloc(&s->step_loss, sizeof(float)));
     CUDA_CHECK(cudaMemcpyAsync(s->step_order, m->order, sizeof(int) * (size_t)B, cudaMemcpyDeviceToDevice,
                                m->base.stream));
     /* One step outside the capture first, without its update: cuBLAS and cuDNN set themselves up on first use, and

@@ -484,7 +484,7 @@ static int train_steps(mlp *m, int n_order, int batch_size, float lr) {
     status = ensure_buffer(&m->exchange, &m->exchange_capacity, (int)exchange);
     if (status) return status;
     if (!m->barrier) {
-        CUDA_CHECK(cudaMalloc(&m->barrier, 2 * sizeof(unsigned)));
+        CUDA_CHECK(device_malloc(&m->barrier, 2 * sizeof(unsigned)));
         CUDA_CHECK(cudaMemsetAsync(m->barrier, 0, 2 * sizeof(unsigned), m->stream));
     }
     FusedArgs args{};

@@ -93,6 +93,8 @@ BUGS = [
     (5, "level5_cuda_naive/mlp.cu", "if (r >= B || o >= n_out) return;", "if (o >= n_out) return;",
      "a kernel that ignores its bounds check on a partial batch"),
     (5, "common/cuda_mlp.cuh", "    max = warp_max(max);\n", "", "softmax max per thread instead of per row"),
+    (5, "common/cuda_mlp.cuh", "dh[i] = h[i] > 0.0f ? da[i] : 0.0f;", "dh[i] = h[i] >= 0.0f ? da[i] : 0.0f;",
+     "ReLU gradient wrong at exactly 0"),
     (5, "common/cuda_mlp.cuh", "p[i] -= lr * dp[i];", "p[i] -= 1.002f * lr * dp[i];", "learning rate 0.2% too large"),
     (5, "common/cuda_mlp.cuh", "m->x, x + (size_t)start * m->n_in,", "m->x, x,", "forward() repeats its first chunk of rows"),
     # LeNet-5 (level5_cuda_naive/lenet.cu)
@@ -119,6 +121,8 @@ BUGS = [
      "LeNet: the step's graph captured with a stale input pointer (every replay takes the first rows)"),
     (7, "level7_fused/mlp.cu", "        grid_barrier(a.barrier, G);\n        PHASE(3);", "        PHASE(3);",
      "the grid barrier missing: blocks read partial logits not yet written"),
+    (7, "level7_fused/mlp.cu", "dhs[r * UP + u] = hs[r * UP + u] > 0.0f ? da : 0.0f;",
+     "dhs[r * UP + u] = hs[r * UP + u] >= 0.0f ? da : 0.0f;", "ReLU gradient wrong at exactly 0 (the fused epoch)"),
     (7, "level7_fused/mlp.cu", "const int j0 = g * units;", "const int j0 = g * (units - 1);",
      "a wrong owner of a weight slice: neighbouring blocks share a unit"),
     (7, "level7_fused/mlp.cu", "rows = min(B, a.n_order - start);", "rows = B;",

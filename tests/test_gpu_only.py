@@ -1,4 +1,4 @@
-"""What exists only on a GPU: level 7's two ways of running an epoch, and the PyTorch peers of the benchmark.
+"""What exists only on a GPU: level 7's two ways of running an epoch, and the peers of the benchmark.
 
 Both are verified like every level (lockstep at every step, then the free run); they skip, with the reason,
 where there is no GPU, and `make test-gpu` (pytest --require-gpu) turns those skips into failures.
@@ -19,13 +19,15 @@ from test_levels import assert_free_run_agrees, free_run, in_lockstep, reference
 LEVEL7 = implementation_params([(level(7), "cuda")])
 
 
-@pytest.fixture(params=["eager", "graph"])
+@pytest.fixture(params=["torch-eager", "torch-graph", "torch-compile", "jax-scan"])
 def peer(request):
-    """A PyTorch peer's factory (level1_pytorch/peers.py)."""
+    """A peer's factory (level1_pytorch/peers.py); JAX's skips where JAX is not installed (it is optional)."""
     require(level(1), "cuda", request.config)
-    from level1_pytorch import peers
+    from level1_pytorch.peers import missing, peers
 
-    return {"eager": peers.Eager, "graph": peers.Graph}[request.param]
+    if why := missing(request.param):
+        pytest.skip(why)
+    return peers("mlp")[request.param]
 
 
 @pytest.mark.level1

@@ -17,13 +17,15 @@ from conftest import require, sanitize
 
 pytestmark = pytest.mark.lenet
 
-# (level, device, variant): level 1 on either device and its two PyTorch peers (level1_pytorch/peers.py); levels 4
+# (level, device, variant): level 1 on either device and the benchmark's peers (level1_pytorch/peers.py); levels 4
 # and 5 with each of their two convolutions; level 6 (cuDNN); level 7 (level 6's training, its forward fused).
 GPU1, GPU5, GPU6, GPU7 = ([getattr(pytest.mark, f"level{n}"), pytest.mark.gpu] for n in (1, 5, 6, 7))
 IMPLEMENTATIONS = [
     pytest.param((1, "cuda", None), marks=GPU1, id="level1-cuda"),
     pytest.param((1, "cuda", "torch-eager"), marks=GPU1, id="torch-eager"),
     pytest.param((1, "cuda", "torch-graph"), marks=GPU1, id="torch-graph"),
+    pytest.param((1, "cuda", "torch-compile"), marks=GPU1, id="torch-compile"),
+    pytest.param((1, "cuda", "jax-scan"), marks=GPU1, id="jax-scan"),
     pytest.param((3, "cpu", None), marks=pytest.mark.level3, id="level3"),
     pytest.param((4, "cpu", "direct"), marks=pytest.mark.level4, id="level4-direct"),
     pytest.param((4, "cpu", "im2col"), marks=pytest.mark.level4, id="level4-im2col"),
@@ -40,8 +42,10 @@ def make(request):
     number, device, variant = request.param if hasattr(request, "param") else request.getfixturevalue("impl")
     require(level(number), device, request.config, "lenet")
     if number == 1:
-        from level1_pytorch.peers import peers
+        from level1_pytorch.peers import missing, peers
 
+        if variant and (why := missing(variant)):
+            pytest.skip(why)
         cls = peers("lenet")[variant] if variant else level(1).load("lenet")
         return lambda params: cls(params, device=device)
     cls = level(number).load("lenet")
@@ -124,7 +128,15 @@ def test_every_layer_matches_float64_from_its_own_inputs(make, trained, digits, 
     assert set(shares) >= set(lenet_verify.FORWARD) and max(shares.values()) <= 1
 
 
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+# JAX misses the lockstep rule on LeNet-5: XLA's autotuner picks, for conv1's weight gradient, cuDNN algorithms whose
+# float32 error is ~10 times the allowance (H100, jax 0.11: 4.1e-6 from the float64 step where level 1's is 5.6e-8 and
+# 4.1e-7 is allowed). With the autotuner off it passes (0.15 of the allowance), 2 to 4 times slower. Strict: a JAX that
+# passes fails this test, and the note goes.
+JAX_MISSES = pytest.mark.xfail(reason="XLA's autotuned cuDNN filter-gradient algorithm (see above)", strict=True)
+
+
+@pytest.mark.parametrize("impl", [pytest.param(p.values[0], marks=[*p.marks, JAX_MISSES], id=p.id)
+                                  if p.id == "jax-scan" else p for p in IMPLEMENTATIONS])
 def test_lockstep_with_level1_on_real_digits(make, trained, mnist, impl):
     X, y = mnist[0][:320], mnist[1][:320]
     records, diverged = verify.lockstep({"level": make(trained)}, trained, X, y, [np.arange(320, dtype=np.int32)], 16,

@@ -193,6 +193,17 @@ def test_relu_gradient_at_exactly_zero_is_zero(factory):
 
 
 @every_level
+def test_relu_gradient_at_exactly_zero_is_zero_in_training(factory):
+    """The same rule inside train_epoch, which level 7 runs in its own fused kernel: fc1 must not move."""
+    params = init_params(6, 16)
+    model = factory(params)
+    model.train_epoch(np.zeros((16, 784), dtype=np.float32), np.arange(16) % 10, 8, 0.5)
+    after = model.state_dict()
+    assert all(np.array_equal(after[name], params[name]) for name in ("fc1.weight", "fc1.bias"))
+    assert not np.array_equal(after["fc2.bias"], params["fc2.bias"])
+
+
+@every_level
 def test_runs_are_bit_identical(factory, mnist):
     """No atomics, no races, no uninitialized memory: the same run twice gives the very same bits."""
     X, y = mnist[0][:500], mnist[1][:500]
