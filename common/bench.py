@@ -35,9 +35,9 @@ PRESETS = {
     "large-b256": ["--train-size", "60000", "--hidden", "1024", "--batch", "256", "--epochs", "3"],
     "lenet": ["--model", "lenet"],  # LeNet-5's chapter run (common/models.py)
     # LeNet-5 at larger batches, where the libraries' kernels have work: the GPU levels against the peers
-    "lenet-b64": ["--model", "lenet", "--levels", "1,5,6,7", "--train-size", "10000", "--batch", "64",
+    "lenet-b64": ["--model", "lenet", "--levels", "1,5,6,7", "--train-size", "5120", "--batch", "64",
                   "--epochs", "3"],
-    "lenet-b256": ["--model", "lenet", "--levels", "1,5,6,7", "--train-size", "10000", "--batch", "256",
+    "lenet-b256": ["--model", "lenet", "--levels", "1,5,6,7", "--train-size", "5120", "--batch", "256",
                    "--epochs", "3"],
 }
 GPU_ONLY = {"lenet-b64", "lenet-b256"}  # presets of GPU levels alone: left out where no GPU is
