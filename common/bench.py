@@ -111,7 +111,9 @@ def markdown_table(results: dict) -> str:
              if name in absent or any(r.get(f"speedup_vs_{short}") for r in results["table"])}
     lines = [
         f"**{s['train_size']:,} images x {s['epochs']} epochs, batch {s['batch']}, {network}** - {where}; "
-        f"data: {results['data'].rsplit(', ', 1)[0]}",
+        f"data: {results['data'].rsplit(', ', 1)[0]}; "
+        + ("after an untimed warm-up epoch" if results.get("timing") else "the first timed epoch includes the upload"
+           " of the data set (and a peer's compilation)"),
         "",
         "| implementation | train s | us/step (median epoch) | steps/s | vs level 1 CPU | "
         + "".join(f"vs {name} | " for name in peers)

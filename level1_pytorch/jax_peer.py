@@ -4,7 +4,8 @@ Float32 throughout, with JAX's "highest" matmul precision (no TF32, as everywher
 on the device once; the scan gathers each step's batch there, takes the loss and its gradients, applies SGD, and
 collects the losses, which are read back once per epoch. A final partial batch is one more jit-compiled step.
 It implements the level contract, so the harness verifies it like any level before it reports its speed
-(level1_pytorch/peers.py). JAX is optional: `pip install "jax[cuda13]"`.
+(level1_pytorch/peers.py). JAX is optional: `pip install "jax[cuda13]"`. On LeNet-5 XLA's autotuner picks cuDNN's
+convolution algorithms, and some of them miss the lockstep rule (README, tests/test_lenet.py).
 """
 
 from __future__ import annotations
