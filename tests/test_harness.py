@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
 
-from common import compare
+from common import bench, compare
 from common.contract import is_immutable
 from common.levels import LEVELS, level, missing
 from common.model import PARAM_NAMES, init_params, param_shapes
@@ -69,6 +70,49 @@ def test_a_level_that_disagrees_fails_the_job(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(cls, "train_epoch", lambda self, *a, **k: original(self, *a, **k) + 1e-3)
     assert compare.main(["--levels", "1,3", "--epochs", "1", "--train-size", "64", "--out", str(tmp_path), "--quiet"]) == 1
     assert "FAIL: level3[cpu] lockstep: step 0: loss" in capsys.readouterr().out
+
+
+def test_a_peer_is_checked_and_reported_but_the_exit_status_is_the_levels(tmp_path, monkeypatch, capsys):
+    """The peers (level1_pytorch/peers.py) are yardsticks: a failed check is printed and recorded, a missing peer is
+    named, and neither fails the job. Level 3, off by 1e-3, stands in for a peer on a machine without a GPU."""
+    cls = level(3).load()
+    original = cls.train_epoch
+    off = type("OffByALittle", (cls,), {"train_epoch": lambda self, *a, **k: original(self, *a, **k) + 1e-3})
+    monkeypatch.setattr(compare, "gpu_available", lambda: True)  # level 1 on CUDA is then skipped, with its reason
+    monkeypatch.setattr(compare, "machine", lambda: {"cpu": "test"})
+    monkeypatch.setattr(compare, "peer_runs", lambda model: [compare.Run("torch-graph[cuda]", 1, "cpu", off)])
+    monkeypatch.setattr(compare, "missing_peers", lambda: {"jax-scan": "JAX is not installed"})
+    assert compare.main(["--levels", "1,3", "--epochs", "1", "--train-size", "64", "--out", str(tmp_path), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "FAIL: torch-graph[cuda] lockstep: step 0: loss" in out
+    assert "skipping the peer jax-scan: JAX is not installed" in out
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["peers_not_run"] == {"jax-scan": "JAX is not installed"}
+    assert [row["agrees"] for row in results["table"]] == [True, True, False]
+    assert all(row["speedup_vs_graph"] > 0 and row["speedup_vs_eager"] is None for row in results["table"])
+    table = bench.markdown_table(results)
+    assert "| vs level 1 CPU | vs torch-graph | vs jax-scan | GFLOP/s |" in table  # only the peers this run had or lacked
+    assert "| jax-scan[cuda] | not run: JAX is not installed |" in table
+
+
+def test_the_timed_epochs_come_after_an_untimed_one_from_the_same_weights(tmp_path, monkeypatch, mnist):
+    """Compilation and graph captures happen in a first call: the harness trains one epoch before the clock starts,
+    then loads the initial weights back, so the free run still agrees with level 1's from its first step."""
+    cls = level(3).load()
+    original = cls.train_epoch
+
+    def slow_first_call(self, *args, **kwargs):
+        if not getattr(self, "warm", False):
+            self.warm = True
+            time.sleep(0.5)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "train_epoch", slow_first_call)
+    assert compare.main(["--levels", "1,3", "--epochs", "2", "--train-size", "64", "--out", str(tmp_path), "--quiet"]) == 0
+    run = json.loads((tmp_path / "results.json").read_text())["runs"][1]
+    assert run["label"] == "level3[cpu]" and max(run["epoch_seconds"]) < 0.5
+    fresh = level(1).load()(init_params(0), device="cpu").train_epoch(mnist[0][:64], mnist[1][:64], 8, 0.01)
+    assert run["epoch_means"][0] == pytest.approx(fresh.mean(), rel=1e-5)  # from the initial weights, not the warm ones
 
 
 @pytest.mark.parametrize(
