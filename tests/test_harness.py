@@ -82,7 +82,8 @@ def test_a_peer_is_checked_and_reported_but_the_exit_status_is_the_levels(tmp_pa
     monkeypatch.setattr(compare, "machine", lambda: {"cpu": "test"})
     monkeypatch.setattr(compare, "peer_runs", lambda model: [compare.Run("torch-graph[cuda]", 1, "cpu", off)])
     monkeypatch.setattr(compare, "missing_peers", lambda: {"jax-scan": "JAX is not installed"})
-    assert compare.main(["--levels", "1,3", "--epochs", "1", "--train-size", "64", "--out", str(tmp_path), "--quiet"]) == 0
+    args = ["--levels", "1,3", "--epochs", "1", "--train-size", "64", "--out", str(tmp_path), "--quiet"]
+    assert compare.main(args) == 0
     out = capsys.readouterr().out
     assert "FAIL: torch-graph[cuda] lockstep: step 0: loss" in out
     assert "skipping the peer jax-scan: JAX is not installed" in out
@@ -91,7 +92,7 @@ def test_a_peer_is_checked_and_reported_but_the_exit_status_is_the_levels(tmp_pa
     assert [row["agrees"] for row in results["table"]] == [True, True, False]
     assert all(row["speedup_vs_graph"] > 0 and row["speedup_vs_eager"] is None for row in results["table"])
     table = bench.markdown_table(results)
-    assert "| vs level 1 CPU | vs torch-graph | vs jax-scan | GFLOP/s |" in table  # only the peers this run had or lacked
+    assert "| vs level 1 CPU | vs torch-graph | vs jax-scan | GFLOP/s |" in table  # the peers it had or lacked
     assert "| jax-scan[cuda] | not run: JAX is not installed |" in table
 
 
@@ -108,7 +109,8 @@ def test_the_timed_epochs_come_after_an_untimed_one_from_the_same_weights(tmp_pa
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(cls, "train_epoch", slow_first_call)
-    assert compare.main(["--levels", "1,3", "--epochs", "2", "--train-size", "64", "--out", str(tmp_path), "--quiet"]) == 0
+    args = ["--levels", "1,3", "--epochs", "2", "--train-size", "64", "--out", str(tmp_path), "--quiet"]
+    assert compare.main(args) == 0
     run = json.loads((tmp_path / "results.json").read_text())["runs"][1]
     assert run["label"] == "level3[cpu]" and max(run["epoch_seconds"]) < 0.5
     fresh = level(1).load()(init_params(0), device="cpu").train_epoch(mnist[0][:64], mnist[1][:64], 8, 0.01)
