@@ -283,7 +283,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calls", type=int, default=1000, help="timed calls per row and batch size (at least 100)")
     p.add_argument("--out", type=Path, help="folder for results.json and table.md")
     args = p.parse_args(argv)
-    batches = [int(b) for b in args.batches.split(",")]
+    try:
+        batches = [int(b) for b in args.batches.split(",")]
+    except ValueError:
+        p.error(f"--batches takes comma-separated batch sizes, e.g. 1,1024; got {args.batches!r}")
     if args.calls < 100 or min(batches) < 1:
         p.error("--calls must be >= 100 and every batch size >= 1")
     if not gpu_available():

@@ -92,6 +92,15 @@ def test_a_bad_weights_file_is_refused_with_the_reason(tmp_path, trained, what):
 
 
 @pytest.mark.level1
+@pytest.mark.parametrize("args, words", [(["--batches", "1,a"], "comma-separated batch sizes"),
+                                         (["--batches", "0"], "every batch size >= 1"),
+                                         (["--calls", "10"], "--calls must be >= 100")])
+def test_bad_arguments_are_refused_before_anything_runs(args, words, capsys):
+    with pytest.raises(SystemExit):
+        infer.main(args)
+    assert words in capsys.readouterr().err
+
+
 def test_files_that_are_not_a_state_dict_are_refused(tmp_path, trained):
     with pytest.raises(FileNotFoundError, match="no such weights file"):
         infer.load_weights(tmp_path / "absent.pt")
