@@ -27,6 +27,7 @@
 
 #include <atomic>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <initializer_list>
 
@@ -47,9 +48,12 @@ struct mlp {
     float *h, *a, *dh, *da;       /* (capacity, hidden) pre-activation, activation and their gradients */
     float *logits, *dlogits;      /* (capacity, n_out) */
     float *row_loss;              /* (capacity) each row's cross-entropy, before the mean */
-    float *data_x;                /* (n_data, n_in) the training set, uploaded once by mlp_set_data */
+    /* The training set: uploaded once by mlp_set_data, or the caller's device arrays (mlp_use_device_data). */
+    float *data_x;                /* (n_data, n_in) */
     int *data_y;                  /* (n_data) */
     int n_data;
+    int owns_data;                /* data_x and data_y are the model's upload, to free (not the caller's arrays) */
+    unsigned long long *found;    /* (2) what check_data found in the caller's arrays (check_data_kernel) */
     int *order;                   /* (order_capacity) an epoch's visiting order, uploaded once per epoch */
     int order_capacity;
     float *losses;                /* (loss_capacity) an epoch's per-step losses, copied back once per epoch */
@@ -358,6 +362,14 @@ static cudaError_t free_device(std::initializer_list<void *> pointers) {
     return first;
 }
 
+/* No data set any more: the model's upload is freed, the caller's arrays are only let go. */
+static cudaError_t forget_data(mlp *m) {
+    const cudaError_t err = m->owns_data ? free_device({m->data_x, m->data_y}) : cudaSuccess;
+    m->data_x = NULL, m->data_y = NULL;
+    m->n_data = 0, m->owns_data = 0;
+    return err;
+}
+
 static cudaError_t free_batch_buffers(mlp *m) {
     const cudaError_t err = free_device({m->x, m->y, m->h, m->a, m->dh, m->da, m->logits, m->dlogits, m->row_loss});
     m->x = m->h = m->a = m->dh = m->da = m->logits = m->dlogits = m->row_loss = NULL;
@@ -412,6 +424,7 @@ static int init_model(mlp *m) {
     CUDA_CHECK(device_malloc(&m->dw2, sizeof(float) * n_w2));
     CUDA_CHECK(device_malloc(&m->b2, sizeof(float) * m->n_out));
     CUDA_CHECK(device_malloc(&m->db2, sizeof(float) * m->n_out));
+    CUDA_CHECK(device_malloc(&m->found, 2 * sizeof(unsigned long long)));
     CUDA_CHECK(cudaMemsetAsync(m->w1, 0, sizeof(float) * n_w1, m->stream));
     CUDA_CHECK(cudaMemsetAsync(m->dw1, 0, sizeof(float) * n_w1, m->stream));
     CUDA_CHECK(cudaMemsetAsync(m->b1, 0, sizeof(float) * m->hidden, m->stream));
@@ -458,8 +471,10 @@ int mlp_create(mlp **out, int n_in, int hidden, int n_out) {
 int mlp_destroy(mlp *m) {
     if (!m) return MLP_OK;
     int status = level_destroy(m); /* first: level 6's cuBLAS handle is bound to the stream */
-    cudaError_t err = free_device({m->w1, m->b1, m->w2, m->b2, m->dw1, m->db1, m->dw2, m->db2, m->data_x, m->data_y,
-                                   m->order, m->losses, m->exchange, m->barrier});
+    cudaError_t err = forget_data(m);
+    const cudaError_t own_err = free_device({m->w1, m->b1, m->w2, m->b2, m->dw1, m->db1, m->dw2, m->db2, m->found,
+                                             m->order, m->losses, m->exchange, m->barrier});
+    if (err == cudaSuccess) err = own_err;
     const cudaError_t batch_err = free_batch_buffers(m);
     if (err == cudaSuccess) err = batch_err;
     if (m->stream) {
@@ -544,16 +559,91 @@ int mlp_set_data(mlp *m, const float *x, const int *y, int n) {
     if (n < 1) return FAIL(MLP_ERR_ARG, "n must be >= 1, got %d", n);
     const int status = check_labels(y, n, m->n_out);
     if (status) return status;
-    m->n_data = 0; /* no data set until the new one is complete */
-    CUDA_CHECK(device_free(m->data_x));
-    m->data_x = NULL;
-    CUDA_CHECK(device_free(m->data_y));
-    m->data_y = NULL;
+    CUDA_CHECK(forget_data(m)); /* no data set until the new one is complete */
+    m->owns_data = 1;           /* what is allocated below is the model's, to free */
     CUDA_CHECK(device_malloc(&m->data_x, sizeof(float) * (size_t)n * m->n_in));
     CUDA_CHECK(device_malloc(&m->data_y, sizeof(int) * (size_t)n));
     CUDA_CHECK(cudaMemcpyAsync(m->data_x, x, sizeof(float) * (size_t)n * m->n_in, cudaMemcpyHostToDevice, m->stream));
     CUDA_CHECK(cudaMemcpyAsync(m->data_y, y, sizeof(int) * (size_t)n, cudaMemcpyHostToDevice, m->stream));
     CUDA_CHECK(cudaStreamSynchronize(m->stream));
+    m->n_data = n;
+    return MLP_OK;
+}
+
+/* bytes at p must be memory of the current device (or managed memory): a host pointer, or another GPU's, is refused
+ * here rather than found by a kernel's fault. A range cannot be asked about, so its first and last byte are. */
+static int check_device_memory(const void *p, size_t bytes, const char *name) {
+    int device = 0;
+    CUDA_CHECK(cudaGetDevice(&device));
+    const char *first = static_cast<const char *>(p);
+    for (const char *byte : {first, first + bytes - 1}) {
+        cudaPointerAttributes where;
+        CUDA_CHECK(cudaPointerGetAttributes(&where, byte));
+        const bool on_a_device = where.type == cudaMemoryTypeDevice || where.type == cudaMemoryTypeManaged;
+        if (!on_a_device || where.device != device)
+            return FAIL(MLP_ERR_ARG, "%s (%zu bytes at %p) is not memory of the current CUDA device, %d", name, bytes,
+                        p, device);
+    }
+    return MLP_OK;
+}
+
+#define NOT_FOUND 0xffffffffffffffffull
+#define CHECK_BLOCKS 1024 /* blocks of the data check: enough to fill a GPU; each thread strides over the rest */
+
+/* The check of the caller's data set x (n, n_in), y (n): found[0] becomes the first row whose label is outside
+ * [0, n_out), found[1] the first element of x that is NaN or infinite, each left at NOT_FOUND where there is none.
+ * atomicMin keeps the first, whatever order the threads run in. */
+__global__ void check_data_kernel(unsigned long long *found, const float *x, const int *y, int n, int n_in,
+                                  int n_out) {
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    for (size_t i = thread_index(); i < (size_t)n; i += stride)
+        if (y[i] < 0 || y[i] >= n_out) atomicMin(&found[0], (unsigned long long)i);
+    for (size_t i = thread_index(); i < (size_t)n * n_in; i += stride)
+        if (!isfinite(x[i])) atomicMin(&found[1], (unsigned long long)i);
+}
+
+/* check_labels (mlp_status.h) and check_X's finiteness (Python's), for arrays on the device: one kernel, one wait. */
+static int check_data(mlp *m, const float *x, const int *y, int n) {
+    unsigned long long found[2];
+    const size_t values = (size_t)n * m->n_in;
+    CUDA_CHECK(cudaMemsetAsync(m->found, 0xff, sizeof found, m->stream)); /* NOT_FOUND, both */
+    check_data_kernel<<<blocks_for(values) < CHECK_BLOCKS ? blocks_for(values) : CHECK_BLOCKS, THREADS, 0,
+                        m->stream>>>(m->found, x, y, n, m->n_in, m->n_out);
+    CUDA_CHECK(cudaGetLastError());
+    CUDA_CHECK(cudaMemcpyAsync(found, m->found, sizeof found, cudaMemcpyDeviceToHost, m->stream));
+    CUDA_CHECK(cudaStreamSynchronize(m->stream));
+    if (found[0] != NOT_FOUND) {
+        int label = 0;
+        CUDA_CHECK(cudaMemcpyAsync(&label, y + found[0], sizeof label, cudaMemcpyDeviceToHost, m->stream));
+        CUDA_CHECK(cudaStreamSynchronize(m->stream));
+        return FAIL(MLP_ERR_ARG, "label y[%llu] = %d is outside [0, %d) (checked on the device)", found[0], label,
+                    m->n_out);
+    }
+    if (found[1] != NOT_FOUND)
+        return FAIL(MLP_ERR_ARG, "x[%llu, %llu] is NaN or infinity (checked on the device)", found[1] / m->n_in,
+                    found[1] % m->n_in);
+    return MLP_OK;
+}
+
+/* No upload: every epoch gathers its batches from the caller's arrays, until the next mlp_set_data or
+ * mlp_use_device_data. Everything is checked here, at every call (native.py calls it once per epoch): where the
+ * memory is, its alignment, and, on the device, every label and every value. */
+int mlp_use_device_data(mlp *m, const float *x, const int *y, int n) {
+    if (!m || !x || !y) return FAIL(MLP_ERR_ARG, "NULL argument");
+    if (n < 1) return FAIL(MLP_ERR_ARG, "n must be >= 1, got %d", n);
+    CUDA_CHECK(forget_data(m)); /* no data set until the new one is checked */
+    if ((uintptr_t)x % 16 != 0 || (uintptr_t)y % sizeof(int) != 0)
+        return FAIL(MLP_ERR_ARG, "x must start at a multiple of 16 bytes (level 7 copies rows 16 bytes at a time) and "
+                    "y at a multiple of 4, got %p and %p: pass copies (PyTorch: X.clone())", (const void *)x,
+                    (const void *)y);
+    int status = check_device_memory(x, sizeof(float) * (size_t)n * m->n_in, "x");
+    if (!status) status = check_device_memory(y, sizeof(int) * (size_t)n, "y");
+    if (status) return status;
+    /* The caller's writes may be queued on any stream (CAI v2 names none), and ours waits for none: wait for all. */
+    CUDA_CHECK(cudaDeviceSynchronize());
+    status = check_data(m, x, y, n);
+    if (status) return status;
+    m->data_x = const_cast<float *>(x), m->data_y = const_cast<int *>(y); /* only ever read */
     m->n_data = n;
     return MLP_OK;
 }

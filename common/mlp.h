@@ -8,7 +8,8 @@
  *
  * Layouts are PyTorch's, row-major float32: fc1.weight (hidden, 784), fc1.bias (hidden,),
  * fc2.weight (10, hidden), fc2.bias (10,); x (n, 784); y (n,) int32 labels in [0, 10).
- * Pointers are host pointers; a GPU level copies in and out itself.
+ * Pointers are host pointers; a GPU level copies in and out itself. The one exception is mlp_use_device_data's:
+ * device pointers, which a GPU level reads in place.
  * Every function returns MLP_OK or an error status; mlp_last_error() then says what failed
  * (which call, file and line). Nothing prints, nothing exits.
  */
@@ -53,6 +54,13 @@ int mlp_loss_and_grads(mlp *m, float *loss, float *dw1, float *db1, float *dw2, 
 
 /* Copy a training set into the model (on a GPU: upload it once, for many epochs). */
 int mlp_set_data(mlp *m, const float *x, const int *y, int n);
+
+/* Train on the caller's device arrays x (n, 784) and y (n,) from now on, without a copy (the GPU levels): the model
+ * keeps the two pointers and never frees them; they must live as long as it trains on them. It first waits for the
+ * whole device (a writer on any stream has finished), then checks on the device that every label is in [0, 10) and
+ * every x finite. Call it again after changing the arrays, before the next epoch: the labels index memory, and are
+ * trusted only as checked here. x must be 16-byte aligned. Level 4, on the CPU, refuses with MLP_ERR_ARG. */
+int mlp_use_device_data(mlp *m, const float *x, const int *y, int n);
 
 /* One epoch of SGD over the stored data set, visiting rows order[0..n_order) in batches of
  * batch_size (a final partial batch is a smaller step). losses (ceil(n_order / batch_size),)

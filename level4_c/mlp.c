@@ -309,6 +309,12 @@ int mlp_set_data(mlp *m, const float *x, const int *y, int n) {
     return MLP_OK;
 }
 
+/* The CPU has no device memory to read: device arrays are for the GPU levels (mlp.h). */
+int mlp_use_device_data(mlp *m, const float *x, const int *y, int n) {
+    (void)m, (void)x, (void)y, (void)n;
+    return FAIL(MLP_ERR_ARG, "level 4 runs on the CPU: hand it NumPy arrays (only the GPU levels read device arrays)");
+}
+
 int mlp_train_epoch(mlp *m, float *losses, const int *order, int n_order, int batch_size, float lr) {
     if (!m || !losses || !order) return FAIL(MLP_ERR_ARG, "NULL argument");
     int status = check_epoch(order, n_order, batch_size, m->n_data);

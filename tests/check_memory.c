@@ -50,6 +50,7 @@ static void exercise(int hidden, int batch) {
     bad_y[N - 1] = N_OUT;
     expect(mlp_loss_and_grads(m, &loss, w1, b1, w2, b2, x, bad_y, N), MLP_ERR_ARG, "a label out of range");
     expect(mlp_set_data(m, x, bad_y, N), MLP_ERR_ARG, "a label out of range in the data set");
+    expect(mlp_use_device_data(m, x, y, N), MLP_ERR_ARG, "device arrays, on the CPU level");
     order[3] = N;
     expect(mlp_train_epoch(m, losses, order, N, batch, 0.01f), MLP_ERR_ARG, "an order index out of range");
     expect(mlp_train_epoch(m, losses, order, N, 0, 0.01f), MLP_ERR_ARG, "batch size 0");
