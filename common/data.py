@@ -37,12 +37,12 @@ import zlib
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO, Iterator, NamedTuple
 
 import numpy as np
 from tqdm import tqdm
 
-from common.contract import immutable
+from common.contract import check_X, check_y, immutable, is_immutable
 from common.levels import ROOT
 
 DATA_DIR = ROOT / "data"
@@ -138,6 +138,22 @@ def normalize(images: np.ndarray) -> np.ndarray:
         raise ValueError(f"normalize wants uint8 (N, 784) pixels, got {images.dtype} {images.shape}")
     x = images.astype(np.float32) / np.float32(255)
     return immutable((x - np.float32(MEAN)) / np.float32(STD))
+
+
+class Dataset(NamedTuple):
+    """A training set checked once, whose arrays nothing can change (their memory is a bytes object). Every level
+    keeps its copy of it from one train_epoch to the next - a GPU level uploads it once - where an array that can
+    change is checked and copied again at every call. Hand it over as model.train_epoch(*data, batch_size, lr)."""
+
+    X: np.ndarray  # (N, 784) float32
+    y: np.ndarray  # (N,) int32 labels in [0, 10)
+
+
+def dataset(X: np.ndarray, y: np.ndarray) -> Dataset:
+    """X (N, 784) float32 and y (N,) integer labels, checked, as a Dataset; each array is copied unless it already is
+    immutable (as normalize() and load_mnist() give them)."""
+    X = check_X(X)
+    return Dataset(*(a if is_immutable(a) else immutable(a) for a in (X, check_y(y, len(X)))))
 
 
 def _open_url(url: str, headers: dict[str, str] | None = None) -> IO[bytes]:

@@ -14,6 +14,9 @@ What Python must not be able to do to a native model, and how this binding preve
   - Ctrl-C: an epoch runs as several native calls of about CHUNK_S seconds each, and Ctrl-C is answered
     between two of them - at a step boundary, the model consistent - with TrainingInterrupted;
   - sizes the native code cannot hold: refused with a ValueError before any native call.
+
+train_epoch of the MLP's GPU levels also takes X and y on a CUDA device (PyTorch, CuPy, Numba, DLPack), read in place:
+checked in Python (common/contract.py's check_device_data), then by the library (mlp_use_device_data) at every epoch.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import numpy as np
 from cffi import FFI
 
 from common import model
-from common.contract import DataCache, check_params, check_training, check_X, check_y, hidden_size, n_steps
+from common.contract import DataCache, DeviceData, check_params, check_training, check_X, check_y, hidden_size, n_steps
 from common.levels import ROOT, Level
 from common.model import N_IN, N_OUT
 
@@ -84,11 +87,13 @@ def _ptr(a: np.ndarray, ctype: str):
 class NativeModel:
     """The level contract over a shared library implementing mlp.h or lenet.h: the calls are the same but for their
     prefix (mlp_, lenet_), how a model is created and how the parameters travel (NativeMLP, NativeLeNet below).
-    A level's class only sets `lib`."""
+    A level's class only sets `lib` and `on_gpu`."""
 
     lib = None  # the loaded library, set by native_level()
+    on_gpu = False  # True for a GPU level's library, set by native_level()
     network = model  # the module of the network's parameter names and shapes
     prefix = "mlp"  # of the header's functions
+    _use_device = None  # NativeMLP's: X and y on the device, read in place; LeNet-5's levels take NumPy arrays only
 
     def __init__(self, params: dict[str, np.ndarray]):
         params = check_params(params, network=self.network)
@@ -98,7 +103,8 @@ class NativeModel:
         self._check(self._create(handle))
         self._model = ffi.gc(handle[0], self._native("destroy"))  # freed when collected, or by close()
         self.load_state_dict(params)
-        self._data = DataCache()  # not given self._upload: a model -> cache -> model cycle would delay freeing GPU memory
+        # Not given self._upload: a model -> cache -> model cycle would delay freeing GPU memory.
+        self._data = DataCache(on_gpu=self.on_gpu)
 
     def train_epoch(self, X: np.ndarray, y: np.ndarray, batch_size: int, lr: float, order=None) -> np.ndarray:
         """One pass over X in `order`; returns each step's loss, taken before that step's update.
@@ -107,7 +113,7 @@ class NativeModel:
         whole number of steps; Ctrl-C between two of them raises TrainingInterrupted.
         """
         with self._lock:
-            n = self._data.fetch(X, y, self._upload)
+            n = self._data.fetch(X, y, self._upload, self._use_device)
             order, batch_size, lr = check_training(n, batch_size, lr, order)
             self._check_rows(batch_size)
             losses = np.empty(n_steps(len(order), batch_size), dtype=np.float32)
@@ -123,7 +129,11 @@ class NativeModel:
                     if interrupted() and done < len(losses):
                         raise TrainingInterrupted(done, len(losses), losses[:done].copy())
                     chunk = max(1, min(4 * chunk, int(take * CHUNK_S / max(time.perf_counter() - start, 1e-6))))
+            self._epoch_done(batch_size)
             return losses
+
+    def _epoch_done(self, batch_size: int) -> None:
+        """Called at the end of train_epoch (level 7 warns there when an epoch did not run fused)."""
 
     def loss_and_grads(self, X: np.ndarray, y: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
         """Mean cross-entropy of one batch and its gradients; parameters unchanged."""
@@ -204,9 +214,11 @@ class NativeModel:
         """The library's function of this name, with the header's prefix."""
         return getattr(self.lib, f"{self.prefix}_{name}")
 
-    def _check(self, status: int) -> None:
+    def _check(self, status: int, refused: type[Exception] = NativeError) -> None:
+        """Raise for a failed status, with the library's message: `refused` for MLP_ERR_ARG, else NativeError."""
         if status != self.lib.MLP_OK:
-            raise NativeError(ffi.string(self.lib.mlp_last_error()).decode(errors="replace"))
+            error = refused if status == self.lib.MLP_ERR_ARG else NativeError
+            raise error(ffi.string(self.lib.mlp_last_error()).decode(errors="replace"))
 
 
 
@@ -228,6 +240,13 @@ class NativeMLP(NativeModel):
     def _row_width(self) -> int:
         return max(N_IN, self.hidden)
 
+    def _use_device(self, data: DeviceData) -> int:
+        """Train on X and y on the device, in place; returns the row count. The library waits for their writers and
+        checks them (device, alignment, labels): what it refuses is the caller's argument, a ValueError."""
+        self._check(self.lib.mlp_use_device_data(self._handle(), ffi.cast("float *", data.X.pointer),
+                                                 ffi.cast("int *", data.y.pointer), data.rows), refused=ValueError)
+        return data.rows
+
 
 def _lenet():
     """common.lenet, imported when LeNet-5 is first used: the MLP's users never load its files."""
@@ -248,10 +267,9 @@ class NativeLeNet(NativeModel):
             raise ValueError(f"convolution must be one of {self.CONVOLUTIONS}, got {convolution!r}")
         super().__init__(params)
         self.convolution = convolution
-        status = self.lib.lenet_set_convolution(self._handle(), self.CONVOLUTIONS.index(convolution))
-        if status == self.lib.MLP_ERR_ARG:  # a convolution this level does not have: the library names its own
-            raise ValueError(ffi.string(self.lib.mlp_last_error()).decode(errors="replace"))
-        self._check(status)
+        # A convolution this level does not have is refused by the library, which names its own.
+        self._check(self.lib.lenet_set_convolution(self._handle(), self.CONVOLUTIONS.index(convolution)),
+                    refused=ValueError)
 
     def layers(self, X: np.ndarray, y: np.ndarray) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         """Every layer's output for a batch, and the gradient of the batch's mean loss with respect to each."""
@@ -335,4 +353,5 @@ def native_level(lv: Level, network: str = "mlp") -> type[NativeModel]:
     if not path.exists():
         raise ImportError(f"{path.relative_to(ROOT)} is not built: run `make level{lv.number}`")
     base = {"mlp": NativeMLP, "lenet": NativeLeNet}[network]
-    return type(base.__name__.removeprefix("Native"), (base,), {"lib": ffi.dlopen(str(path)), "__module__": lv.package})
+    namespace = {"lib": ffi.dlopen(str(path)), "on_gpu": "gpu" in lv.needs, "__module__": lv.package}
+    return type(base.__name__.removeprefix("Native"), (base,), namespace)

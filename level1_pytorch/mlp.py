@@ -76,7 +76,7 @@ class Model:
         self.net = self.build(params).to(self.device, self.dtype)
         self.load_state_dict(params)
         self.optimizer = torch.optim.SGD(self.net.parameters(), lr=0.0)
-        self._data = DataCache()
+        self._data = DataCache(on_gpu=device == "cuda")
 
     def train_epoch(self, X: np.ndarray, y: np.ndarray, batch_size: int, lr: float, order=None) -> np.ndarray:
         """One pass over X in `order`; returns each step's loss, taken before that step's update."""

@@ -27,17 +27,18 @@ class MLP(native_level(level(7))):
         self._warned: set[int] = set()
 
     def plan(self, batch_size: int) -> str:
-        """How an epoch with this batch size runs here: "fused: G blocks x U units, ..." or why not."""
+        """How an epoch with this batch size runs here: "fused: a cluster of G blocks x U units, ..." or why not."""
         with self._lock:
-            return ffi.string(self.lib.mlp_fused_plan(self._handle(), int(batch_size))).decode()
+            return self._plan(batch_size)
 
-    def train_epoch(self, X: np.ndarray, y: np.ndarray, batch_size: int, lr: float, order=None) -> np.ndarray:
-        losses = super().train_epoch(X, y, batch_size, lr, order)
-        batch = min(int(batch_size), len(X) if order is None else len(order))
-        if batch not in self._warned and not (plan := self.plan(batch)).startswith("fused"):
-            self._warned.add(batch)
-            warnings.warn(f"level 7 runs this epoch with {plan}", RuntimeWarning, stacklevel=2)
-        return losses
+    def _plan(self, batch_size: int) -> str:
+        return ffi.string(self.lib.mlp_fused_plan(self._handle(), int(batch_size))).decode()
+
+    def _epoch_done(self, batch_size: int) -> None:
+        """Warn, once per batch size, where the epoch ran level 6's kernels (it holds the model's lock)."""
+        if batch_size not in self._warned and not (plan := self._plan(batch_size)).startswith("fused"):
+            self._warned.add(batch_size)
+            warnings.warn(f"level 7 runs this epoch with {plan}", RuntimeWarning, stacklevel=3)  # the caller's line
 
 
 __getattr__ = lazy_lenet(level(7), globals())
