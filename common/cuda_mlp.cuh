@@ -6,7 +6,7 @@
  *   linear_forward, linear_backward - the matrix products, the one thing the two levels teach
  *   level_create, level_destroy     - the level's own state (level 6: its cuBLAS handle)
  * so diffing the two levels shows only the matrix products. Level 7 (level7_fused/mlp.cu) is level 6
- * with its own epoch: it defines LEVEL_TRAINS_ITS_OWN_EPOCH and the hook train_steps (below).
+ * with its own epoch: it defines LEVEL_TRAINS_ITS_OWN_EPOCH and the hooks train_steps, free_epoch_state.
  *
  * The layer functions keep level 4's names, order and arguments (outputs, inputs, weights, sizes),
  * with the model first for its stream. Each one launches a kernel and checks the launch, so the
@@ -58,10 +58,7 @@ struct mlp {
     int order_capacity;
     float *losses;                /* (loss_capacity) an epoch's per-step losses, copied back once per epoch */
     int loss_capacity;
-    /* Level 7's fused epoch only (NULL at levels 5 and 6): */
-    float *exchange;              /* (exchange_capacity) what the blocks hand each other across a grid barrier */
-    int exchange_capacity;
-    unsigned *barrier;            /* (2) the grid barrier: arrivals, generation */
+    void *epoch_state;            /* the own state of a level that trains its own epoch (level 7); NULL otherwise */
 };
 
 /* A failed CUDA call: out of device memory is MLP_ERR_ALLOC, anything else MLP_ERR_DEVICE. */
@@ -102,6 +99,11 @@ static int linear_backward(mlp *m, float *dx, float *dw, const float *dout, cons
 /* Set up and free the level's own state, m->level_state; level_destroy accepts a half-made model. */
 static int level_create(mlp *m);
 static int level_destroy(mlp *m);
+
+/* The steps of an epoch (queue_steps below, unless a level defines LEVEL_TRAINS_ITS_OWN_EPOCH and trains them its
+ * own way, as level 7's one fused kernel, keeping what it needs in m->epoch_state, which free_epoch_state frees). */
+static int train_steps(mlp *m, int n_order, int batch_size, float lr);
+static int free_epoch_state(mlp *m);
 
 /* ---- the kernels, each next to the layer function that launches it; forward followed by backward ---- */
 
@@ -471,9 +473,11 @@ int mlp_create(mlp **out, int n_in, int hidden, int n_out) {
 int mlp_destroy(mlp *m) {
     if (!m) return MLP_OK;
     int status = level_destroy(m); /* first: level 6's cuBLAS handle is bound to the stream */
+    const int epoch_status = free_epoch_state(m);
+    if (!status) status = epoch_status;
     cudaError_t err = forget_data(m);
     const cudaError_t own_err = free_device({m->w1, m->b1, m->w2, m->b2, m->dw1, m->db1, m->dw2, m->db2, m->found,
-                                             m->order, m->losses, m->exchange, m->barrier});
+                                             m->order, m->losses});
     if (err == cudaSuccess) err = own_err;
     const cudaError_t batch_err = free_batch_buffers(m);
     if (err == cudaSuccess) err = batch_err;
@@ -664,11 +668,9 @@ static int queue_steps(mlp *m, int n_order, int batch_size, float lr) {
     return MLP_OK;
 }
 
-#ifdef LEVEL_TRAINS_ITS_OWN_EPOCH
-/* Level 7 trains the steps its own way (one fused kernel), with queue_steps as its fallback. */
-static int train_steps(mlp *m, int n_order, int batch_size, float lr);
-#else
+#ifndef LEVEL_TRAINS_ITS_OWN_EPOCH /* the steps queued one kernel after another, and no state of the epoch's own */
 static int train_steps(mlp *m, int n_order, int batch_size, float lr) { return queue_steps(m, n_order, batch_size, lr); }
+static int free_epoch_state(mlp *) { return MLP_OK; }
 #endif
 
 /* The whole epoch runs on the stream without waiting: the host uploads the order once, then the steps

@@ -1,57 +1,61 @@
-/* level7_fused/mlp.cu - Level 7: one fused, persistent kernel for all the steps of an epoch.
+/* level7_fused/mlp.cu - Level 7: one fused, persistent kernel runs every step of an epoch.
  *
- * What this level adds over level 6: at the chapter's sizes a step is 6.5 MFLOP, a fraction of a
- * microsecond of the GPU's arithmetic, yet level 6 spends tens of microseconds on it: ~19 kernel
- * launches, each waiting for the one before. Here the steps of an epoch run inside ONE launch:
- *   - G blocks, all resident at once (a cooperative launch guarantees it), each owning U consecutive
- *     hidden units: their rows of fc1.weight, their fc1.bias entries and their columns of fc2.weight
- *     stay in shared memory for the whole launch, and no other block ever touches them. Every block
- *     keeps its own copy of fc2.bias (10 numbers) and updates it identically.
- *   - Per step, each block computes its units' pre-activations for the batch and their share of the
- *     logits (partial logits: sum over its own units of a[r, j] * fc2.weight[o, j]) and writes it to
- *     the exchange buffer. One grid-wide barrier. Then every block sums the G shares in one fixed
- *     order, block 0 first, so all blocks hold bit-identical logits, softmax and dlogits, and each
- *     does the backward of its own units and the SGD update of the weights it owns.
- *   - The exchange buffer is double-buffered by the step's parity: a fast block may write step k+1's
- *     shares while a slow one still reads step k's, so one barrier per step suffices.
- * No atomics touch a number (only the barrier's counter), and every sum has one fixed order: reruns
- * are bit-identical. FP32 throughout, no TF32.
- *
- * For a large batch the G x B shares are too many for every block to read: then the blocks split the
- * rows, each reducing and soft-maxing its share of them, and a second barrier hands the dlogits round.
- * When a size does not fit on chip (units per block past 16, or shared memory), the epoch runs level
- * 6's queued kernels instead: correct, slower; mlp_fused_plan() says which, and the Python side warns.
- *
- * Everything else - forward(), loss_and_grads(), the data set, the parameters - is level 6's: this
- * file includes it and replaces only the steps of an epoch (train_steps in common/cuda_mlp.cuh).
- * Build: `make level7`; test: `pytest -m level7` (on a GPU machine: `make test-gpu`).
- * Tuning knob for measurements: MLP_FUSED_UNITS=n sets the units per block (default below).
+ * Level 6 launches ~19 kernels per step, and at the chapter's size the launches are the time. Here one launch runs
+ * all the steps. Each block owns a slice of the hidden units and keeps their weights on chip all launch (fc1's rows
+ * in registers); per step it runs the phases of fused_epoch_kernel. The blocks meet once per step, to hand round
+ * their shares of the logits: in one thread-block cluster, copied into each other's shared memory (small sizes), or
+ * through global memory and a grid barrier (large ones). No atomics touch a number and every sum has one fixed order:
+ * reruns are bit-identical. FP32 FMA, no TF32. It needs a Hopper GPU; elsewhere, or where a size does not fit, the
+ * epoch runs level 6's kernels (mlp_fused_plan() says which). Everything but the epoch is level 6's, included here.
+ * The chapter (level7_fused/chapter.ipynb) walks through the design. Build: make level7.
+ * Knobs, for measurements: MLP_FUSED_UNITS=4|8|16, MLP_FUSED_EXCHANGE=cluster|grid, MLP_FUSED_MULTICAST=1|2|4|8.
  */
 #define LEVEL_TRAINS_ITS_OWN_EPOCH
 #include "../level6_cublas/mlp.cu"
 
+#include <cooperative_groups.h>
 #include <cstdio>
+#include <cstring>
 #include <cuda/atomic>
-#include <cuda_pipeline.h>
 
-#define FUSED_THREADS 512 /* threads per block: 16 warps */
-#define MAX_UNITS 16      /* units per block the kernel is instantiated for (1, 2, 4, 8, 16) */
-#define MIN_UNITS 8       /* fewer blocks with more units each: a cheaper barrier, still work for all */
-#define TILE_ROWS 32      /* rows of x a block holds at once */
+namespace cg = cooperative_groups;
+
+#define GROUP_UNITS 4     /* hidden units whose fc1 rows one thread holds a part of */
+#define GROUP_LANES 128   /* threads of a group: the float4 columns of the inputs are dealt among them */
+#define COLUMNS 2         /* float4 columns a thread holds: inputs up to 4 x 128 x 2 = 1024 */
+#define MAX_GROUPS 4      /* groups per block: 16 units, 512 threads */
+#define FUSED_THREADS (MAX_GROUPS * GROUP_LANES) /* the most threads a block has */
+#define ROW_TILE 8        /* rows of x a thread multiplies at once: its register tile is 8 rows x 4 units */
+#define KEEP_ROWS 16      /* a batch up to this size is one tile of x, kept for the whole step */
+#define STREAM_SLOTS 3    /* tiles of x in shared memory at once when the batch streams through, */
+#define STREAM_ROWS 16    /* of 16 rows each (8 rows a tile measured 1.4x slower at batch 256: a cost per tile) */
+#define MAX_CLUSTER 16    /* the largest thread-block cluster (16 is the H100's, beyond the portable 8) */
+#define MAX_MULTICAST 8   /* blocks that share a tile of x in the grid exchange */
+#define MAX_OUT WARP      /* outputs: one lane each in the softmax */
+#define SERIAL_ROWS 32    /* up to this many rows a thread sums a column alone; past it, a warp splits the rows */
+#define LABEL_ROWS 4      /* rows of a batch one thread reads ahead: a batch is at most 4 x the threads */
+#define IMAGE_STEPS 4     /* steps whose image numbers are in shared memory: this one and the next three */
 
 /* What one launch needs; passed by value. Pointers are device pointers. */
 struct FusedArgs {
-    float *w1, *b1, *w2, *b2;                    /* the parameters: read at the start, written at the end */
-    const float *data_x;                         /* (n_data, n_in) the training set */
-    const int *data_y, *order;                   /* (n_data) labels, (n_order) this epoch's rows */
-    float *losses;                               /* (steps) each step's mean loss */
-    float *exchange;                             /* (2, G, batch, n_out) partial logits, by step parity */
-    float *dz_all, *row_loss;                    /* (batch, n_out), (batch): the two-barrier path's hand-over */
-    unsigned *barrier;                           /* (2) arrivals, generation */
-    int n_in, n_out, hidden, units;              /* units: hidden units per block (the last block may own fewer) */
-    int n_order, batch, steps, tile_rows, x_stride, two_barriers;
+    float *w1, *b1, *w2, *b2;     /* the parameters: read at the start, written at the end */
+    const float *data_x;          /* (n_data, n_in) the training set */
+    const int *data_y, *order;    /* (n_data) labels, (n_order) this epoch's rows */
+    float *losses;                /* (steps) each step's mean loss */
+    float *exchange;              /* grid: (2, G, batch, n_out) shares by step parity, then the second barrier's */
+                                  /* hand-over: (batch, n_out) dlogits and (batch) row losses */
+    unsigned *barrier;            /* grid: (2) arrivals, generation */
+    int n_in, n_out, hidden;
+    int units;                    /* hidden units per block, a multiple of 4 (the last block may own fewer) */
+    int n_order, batch, steps;
+    int tile_rows, slots, keep;   /* rows of a tile of x (a multiple of 8), tiles held at once, 1: a step is one tile */
+    int multicast;                /* blocks of a cluster that share each tile of x (1: every block copies its own) */
+    int two_barriers;             /* grid: blocks split the softmax's rows and hand the dlogits round */
     float lr;
 };
+
+__host__ __device__ inline int round4(int n) { return (n + 3) / 4 * 4; }
+__host__ __device__ inline int cdiv(int a, int b) { return (a + b - 1) / b; }
 
 /* ---- the grid barrier ----
  * Every block's thread 0 arrives by incrementing one counter; the last to arrive resets it and opens the
@@ -80,7 +84,7 @@ __device__ void grid_barrier(unsigned *barrier, unsigned blocks) {
 
 /* ---- ownership ----
  * Block g owns `units` consecutive hidden units, j0 .. j0 + owned - 1 (the last block may own fewer): their weights
- * live in its shared memory alone, so every unit must have exactly one owner. Returns (j0, owned). */
+ * live in this block alone, so every unit must have exactly one owner. Returns (j0, owned). */
 __device__ int2 owned_units(int g, int units, int hidden) {
     /* BEGIN LAB 7.2 owned_units */
     const int j0 = g * units;
@@ -88,419 +92,1053 @@ __device__ int2 owned_units(int g, int units, int hidden) {
     /* END LAB */
 }
 
-/* Start copying rows [row0, row0 + rows) of the batch that begins at order[start] into xs (rows, x_stride):
- * cp.async, 16 bytes per thread per copy, neighbouring threads copying neighbouring floats of a row. The copy
- * runs while the block computes; __pipeline_wait_prior then __syncthreads make it visible. */
-__device__ void issue_tile(float *xs, const FusedArgs &a, int start, int row0, int rows) {
-    const int nf = a.n_in / 4;
-    for (int i = threadIdx.x; i < rows * nf; i += FUSED_THREADS) {
-        const int r = i / nf, f = i % nf;
-        const int image = __ldg(a.order + start + row0 + r);
-        __pipeline_memcpy_async(xs + (size_t)r * a.x_stride + 4 * f, a.data_x + (size_t)image * a.n_in + 4 * f, 16);
-    }
-    __pipeline_commit();
+/* ---- Hopper's instructions: a barrier in shared memory (mbarrier), the bulk copy engine, the cluster ----
+ * An mbarrier counts arrivals and, for copies, bytes; it completes a phase when both reach zero, then re-arms.
+ * Waiting names the phase's parity. A bulk copy (cp.async.bulk) moves whole rows from global into shared memory
+ * and adds their bytes to an mbarrier; with .multicast it writes the same place in several blocks of a cluster. */
+#if __CUDA_ARCH__ >= 900
+__device__ unsigned smem_address(const void *p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+__device__ void mbarrier_init(unsigned long long *bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_address(bar)), "r"(count) : "memory");
 }
 
-#ifdef FUSED_PROFILE /* a measuring build (not the default): cycles of each phase, block 0 */
-__device__ unsigned long long fused_cycles[8];
-#define PHASE(i)                                                                                         \
-    do {                                                                                                 \
-        __syncthreads();                                                                                 \
-        if (t == 0 && g == 0) {                                                                          \
-            const long long now = clock64();                                                             \
-            fused_cycles[i] += now - mark;                                                               \
-            mark = now;                                                                                  \
-        }                                                                                                \
-    } while (0)
+/* This block will receive `bytes` into the barrier's phase (and is its one local arrival). */
+__device__ void mbarrier_expect_bytes(unsigned long long *bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_address(bar)), "r"(bytes)
+                 : "memory");
+}
+
+/* Wait for the phase of this parity to complete (what the copies or stores it counted wrote is then visible). */
+__device__ void mbarrier_wait(unsigned long long *bar, unsigned parity) {
+    unsigned done = 0;
+    while (!done)
+        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;"
+                     " selp.u32 %0, 1, 0, p; }"
+                     : "=r"(done)
+                     : "r"(smem_address(bar)), "r"(parity)
+                     : "memory");
+}
+
+/* Arrive on the barrier at the same place in block `rank` of the cluster, releasing this block's reads before it. */
+__device__ void mbarrier_arrive_at(unsigned long long *bar, unsigned rank) {
+    unsigned remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_address(bar)), "r"(rank));
+    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
+}
+
+/* Arrive on this block's barrier, releasing this block's reads before it. */
+__device__ void mbarrier_arrive(unsigned long long *bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_address(bar)) : "memory");
+}
+
+/* Copy `bytes` of global memory into this block's shared memory, counted by the barrier `bar` when they land. */
+__device__ void bulk_copy(float *dst, const float *src, unsigned bytes, unsigned long long *bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     smem_address(dst)),
+                 "l"(src), "r"(bytes), "r"(smem_address(bar))
+                 : "memory");
+}
+
+/* The same copy into the blocks of the cluster whose bits `blocks` sets, each signalling its own barrier. */
+__device__ void bulk_copy_multicast(float *dst, const float *src, unsigned bytes, unsigned long long *bar,
+                                    unsigned short blocks) {
+#ifndef __CUDA_ARCH_FEAT_SM90_ALL
+    __trap(); /* built for Hopper itself (sm_90a) only: make_plan multicasts on compute capability 9.x alone */
 #else
-#define PHASE(i)
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+                 " [%0], [%1], %2, [%3], %4;" ::"r"(smem_address(dst)),
+                 "l"(src), "r"(bytes), "r"(smem_address(bar)), "h"(blocks)
+                 : "memory");
+#endif
+}
+
+/* Copy `bytes` of this block's shared memory to the same place in block `rank` of the cluster, the bytes counted by
+ * that block's barrier at the place of `bar` when they land. What this block wrote there must be fenced first (the
+ * copy engine reads through another path: fence.proxy.async). */
+__device__ void bulk_copy_to_block(const float *src, unsigned bytes, unsigned long long *bar, unsigned rank) {
+    unsigned remote_dst, remote_bar;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote_dst) : "r"(smem_address(src)), "r"(rank));
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote_bar) : "r"(smem_address(bar)), "r"(rank));
+    asm volatile("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     remote_dst),
+                 "r"(smem_address(src)), "r"(bytes), "r"(remote_bar)
+                 : "memory");
+}
+
+__device__ unsigned cluster_rank() { return cg::this_cluster().block_rank(); }
 #endif
 
-template <int UP> /* UP: units per block, padded to a power of two; padding units have zero weights */
-__global__ void __launch_bounds__(FUSED_THREADS, 1) fused_epoch_kernel(const FusedArgs a) {
-    extern __shared__ float4 smem4[];
-    float *smem = reinterpret_cast<float *>(smem4);
-    const int t = threadIdx.x, G = gridDim.x, g = blockIdx.x, lane = t % WARP, warp = t / WARP;
-    const int2 own = owned_units(g, a.units, a.hidden);
-    const int j0 = own.x, owned = own.y; /* this block's hidden units */
-    const int nf = a.n_in / 4, B = a.batch, O = a.n_out, TR = a.tile_rows;
-    /* Shared memory (smem_floats on the host adds it up), the float4-read regions first. */
-    float *w1s = smem;                              /* (UP, n_in) this block's rows of fc1.weight */
-    float *x0 = w1s + UP * a.n_in, *x1 = x0 + TR * a.x_stride; /* (TR, x_stride) rows of x, twice */
-    float *part = x1 + TR * a.x_stride;             /* (FUSED_THREADS, UP) partial sums of the forward */
-    float *hs = part + FUSED_THREADS * UP;          /* (B, UP) pre-activations */
-    float *dhs = hs + B * UP;                       /* (B, UP) their gradients dh */
-    float *dz = dhs + B * UP;                       /* (B, 32) dlogits, row stride 32 */
-    float *rl = dz + B * 32;                        /* (B rounded to 4) each row's loss */
-    float *w2s = rl + (B + 3) / 4 * 4;              /* (32, UP) this block's columns of fc2.weight */
-    float *gw2 = w2s + 32 * UP;                     /* (32, UP) their gradient */
-    float *b1s = gw2 + 32 * UP;                     /* (UP) */
-    float *gb1 = b1s + UP;                          /* (UP) */
-    float *b2s = gb1 + UP;                          /* (32) this block's copy of fc2.bias */
-    float *gb2 = b2s + 32;                          /* (32) */
-    int *labels = reinterpret_cast<int *>(gb2 + 32); /* (B) this step's labels */
+/* Every block of the cluster arrives, and each waits for the others: arriving releases this block's writes, waiting
+ * acquires the others'. make_plan never picks a cluster below compute capability 9.0. */
+__device__ void cluster_barrier() {
+#if __CUDA_ARCH__ >= 900
+    cg::this_cluster().sync();
+#else
+    __trap();
+#endif
+}
+
+/* ---- the block's shared memory ----
+ * One layout, computed alike on the host (for the launch's size) and on the device (to carve it): offsets in floats,
+ * each region a multiple of 16 bytes. Units per block U = groups x 4. */
+struct Layout {
+    int full, empty;        /* (slots) mbarriers of the tiles of x: filled, and freed by every block that shares them */
+    int arrived;            /* cluster: (2) mbarriers of the shares, by step parity: every block's share has landed */
+    int x;                  /* (slots, tile_rows, n_in) tiles of x */
+    int part;               /* (2, tile_rows / 8, groups, 4, 32) each warp's sums in the forward, by tile parity */
+    int h, dh;              /* (batch, U) pre-activations and their gradient */
+    int dz;                 /* (batch, n_out) dlogits */
+    int row_loss, labels;   /* (batch) */
+    int images;             /* (IMAGE_STEPS, batch) the rows of data_x of this step's batch and the next ones' */
+    int w2, gw2;            /* (n_out, U) this block's columns of fc2.weight, their gradient */
+    int b1, gb1;            /* (U) */
+    int b2, gb2;            /* (MAX_OUT) this block's copy of fc2.bias (every block updates its own identically) */
+    int shares;             /* cluster: (2, blocks, batch x n_out rounded to 4) every block's share, by step parity */
+    int sums;               /* grid: (warps, MAX_OUT) the softmax's partial sums of shares */
+    int total;
+};
+
+__host__ __device__ inline int take(int &at, int floats) {
+    const int here = at;
+    at += round4(floats);
+    return here;
+}
+
+__host__ __device__ inline Layout layout(const FusedArgs &a, int groups, int blocks, bool cluster) {
+    const int U = groups * GROUP_UNITS, B = a.batch;
+    Layout l;
+    int at = 0;
+    l.full = take(at, 2 * a.slots); /* an mbarrier is 8 bytes: 2 floats */
+    l.empty = take(at, 2 * a.slots);
+    l.arrived = take(at, cluster ? 2 * 2 : 0);
+    l.x = take(at, a.slots * a.tile_rows * a.n_in);
+    l.part = take(at, 2 * (a.tile_rows / ROW_TILE) * groups * 4 * WARP);
+    l.h = take(at, B * U);
+    l.dh = take(at, B * U);
+    l.dz = take(at, B * a.n_out);
+    l.row_loss = take(at, B);
+    l.labels = take(at, B);
+    l.images = take(at, IMAGE_STEPS * B);
+    l.w2 = take(at, a.n_out * U);
+    l.gw2 = take(at, a.n_out * U);
+    l.b1 = take(at, U);
+    l.gb1 = take(at, U);
+    l.b2 = take(at, MAX_OUT);
+    l.gb2 = take(at, MAX_OUT);
+    l.shares = take(at, cluster ? 2 * blocks * round4(B * a.n_out) : 0);
+    l.sums = take(at, cluster ? 0 : groups * 4 * MAX_OUT);
+    l.total = at;
+    return l;
+}
+
+struct Shared {
+    unsigned long long *full, *empty, *arrived;
+    float *x, *part, *h, *dh, *dz, *row_loss, *w2, *gw2, *b1, *gb1, *b2, *gb2, *shares, *sums;
+    int *labels, *images;
+};
+
+__device__ Shared carve(float *smem, const Layout &l) {
+    Shared s;
+    s.full = reinterpret_cast<unsigned long long *>(smem + l.full);
+    s.empty = reinterpret_cast<unsigned long long *>(smem + l.empty);
+    s.arrived = reinterpret_cast<unsigned long long *>(smem + l.arrived);
+    s.x = smem + l.x, s.part = smem + l.part, s.h = smem + l.h, s.dh = smem + l.dh, s.dz = smem + l.dz;
+    s.row_loss = smem + l.row_loss, s.labels = reinterpret_cast<int *>(smem + l.labels);
+    s.images = reinterpret_cast<int *>(smem + l.images);
+    s.w2 = smem + l.w2, s.gw2 = smem + l.gw2, s.b1 = smem + l.b1, s.gb1 = smem + l.gb1;
+    s.b2 = smem + l.b2, s.gb2 = smem + l.gb2, s.shares = smem + l.shares, s.sums = smem + l.sums;
+    return s;
+}
+
+/* Which part of fc1.weight this thread holds, in registers, for the whole launch: 4 units of the block (its group)
+ * times the float4 columns lane, lane + 128 (those below n_in / 4). */
+struct Thread {
+    int group, lane, warp; /* the group; the thread's place in it, 0..127; the warp's in it, 0..3 */
+    int columns;           /* float4 columns of the inputs: n_in / 4 */
+};
+
+__device__ Thread this_thread(const FusedArgs &a) {
+    Thread t;
+    t.group = threadIdx.x / GROUP_LANES;
+    t.lane = threadIdx.x % GROUP_LANES;
+    t.warp = t.lane / WARP;
+    t.columns = a.n_in / 4;
+    return t;
+}
+
+/* Which step this is, and its batch. */
+struct Step {
+    int index;
+    int half;        /* which half of the exchange holds this step's shares: a block that runs ahead writes the */
+                     /* next step's into the other half while slower ones still read this one's */
+    int start, rows; /* the batch: rows order[start .. start + rows); the last batch may be partial */
+    int tiles;       /* tiles of x in one pass over the batch */
+};
+
+__device__ Step step_at(const FusedArgs &a, int index) {
+    Step st;
+    st.index = index;
+    st.half = index % 2;
+    st.start = index * a.batch;
+    st.rows = min(a.batch, a.n_order - st.start);
+    st.tiles = a.keep ? 1 : cdiv(st.rows, a.tile_rows);
+    return st;
+}
+
+/* ---- the tiles of x: a pipeline of bulk copies ----
+ * The tiles come in one order for the whole launch: per step, the forward's tiles, then the same tiles again for dW1
+ * (a kept step has one tile, read by both). The producer copies tile n into slot n % slots; everyone waits on that
+ * slot's `full` barrier; after its last read, the block frees the slot in every block that shares it (`empty`: with a
+ * multicast, another block's copy writes into this block's slot). */
+struct Tile {
+    int step, row0, rows; /* rows row0 .. row0 + rows - 1 of step `step`'s batch */
+};
+
+__device__ int tiles_per_step(const FusedArgs &a, const Step &st) { return a.keep ? 1 : 2 * st.tiles; }
+
+__device__ int tile_count(const FusedArgs &a) {
+    return (a.steps - 1) * tiles_per_step(a, step_at(a, 0)) + tiles_per_step(a, step_at(a, a.steps - 1));
+}
+
+/* The first row of the k-th tile a block reads in a pass over the step's batch. The blocks (the clusters, where a
+ * multicast shares tiles) start at different tiles, so that they do not all read the same rows of x at once. */
+__device__ int tile_row0(const FusedArgs &a, const Step &st, int k) {
+    return (k + blockIdx.x / a.multicast) % st.tiles * a.tile_rows;
+}
+
+__device__ Tile tile_at(const FusedArgs &a, int n) {
+    const int per_step = tiles_per_step(a, step_at(a, 0));
+    const int index = min(n / per_step, a.steps - 1); /* only the last step may have fewer tiles */
+    const Step st = step_at(a, index);
+    Tile tile;
+    tile.step = index;
+    tile.row0 = tile_row0(a, st, (n - index * per_step) % st.tiles);
+    tile.rows = min(a.tile_rows, st.rows - tile.row0);
+    return tile;
+}
+
+__device__ const float *tile_x(const Shared &s, const FusedArgs &a, int n) {
+    return s.x + (size_t)(n % a.slots) * a.tile_rows * a.n_in;
+}
+
+/* Tiles in flight behind the one read: with a multicast, one slot stays out of play, so that the producer rarely
+ * waits for a slower block to free the slot it copies into. */
+__device__ int lag(const FusedArgs &a) { return a.multicast > 1 ? 1 : 0; }
+
+/* The producer of the tiles: warp 0, each lane copying one row of a tile; it finds the rows' image numbers (their
+ * rows of data_x) in shared memory, read there steps ahead (next_rows). */
+struct Producer {
+    int next; /* the next tile to copy */
+};
+
+/* This lane's row of a tile: with a multicast, each block of the cluster copies every multicast-th row. */
+__device__ int producer_row(const FusedArgs &a) {
+    const int lane = threadIdx.x % WARP;
+#if __CUDA_ARCH__ >= 900
+    if (a.multicast > 1) return cluster_rank() + lane * a.multicast;
+#endif
+    return lane;
+}
+
+/* Warp 0: copy tile p.next into its slot, once every block that shares the slot has freed it; each block's `full`
+ * expects the whole tile. */
+__device__ void issue_tile(const Shared &s, const FusedArgs &a, Producer &p, int total) {
+#if __CUDA_ARCH__ >= 900
+    if (p.next >= total) return;
+    const int n = p.next++, slot = n % a.slots, use = n / a.slots, r = producer_row(a);
+    if (use > 0) mbarrier_wait(&s.empty[slot], (use - 1) % 2);
+    const Tile tile = tile_at(a, n);
+    const unsigned row_bytes = a.n_in * sizeof(float);
+    if (threadIdx.x == 0) mbarrier_expect_bytes(&s.full[slot], tile.rows * row_bytes);
+    if (r < tile.rows) {
+        float *row = const_cast<float *>(tile_x(s, a, n)) + r * a.n_in;
+        const float *src = a.data_x + (size_t)s.images[tile.step % IMAGE_STEPS * a.batch + tile.row0 + r] * a.n_in;
+        if (a.multicast > 1) bulk_copy_multicast(row, src, row_bytes, &s.full[slot], (1u << a.multicast) - 1);
+        else bulk_copy(row, src, row_bytes, &s.full[slot]);
+    }
+#endif
+}
+
+__device__ void wait_tile(const Shared &s, const FusedArgs &a, int n) {
+#if __CUDA_ARCH__ >= 900
+    mbarrier_wait(&s.full[n % a.slots], (n / a.slots) % 2);
+#endif
+}
+
+/* After the block's last read of tile n, behind a __syncthreads: free its slot in every block that shares it, and
+ * copy the next tile (the one `slots - lag` later). */
+__device__ void release_tile(const Shared &s, const FusedArgs &a, int n, Producer &p, int total) {
+#if __CUDA_ARCH__ >= 900
+    if (threadIdx.x >= WARP) return;
+    if (a.multicast > 1 && threadIdx.x < a.multicast) mbarrier_arrive_at(&s.empty[n % a.slots], threadIdx.x);
+    if (a.multicast == 1 && threadIdx.x == 0) mbarrier_arrive(&s.empty[n % a.slots]);
+    __syncwarp();
+    issue_tile(s, a, p, total);
+#endif
+}
+
+/* Before the first tile: the barriers (the shares' too, in a cluster), made visible to the cluster; the first copies. */
+template <bool CLUSTER>
+__device__ Producer start_tiles(const Shared &s, const FusedArgs &a, int total, bool in_cluster) {
+    Producer p{0};
+#if __CUDA_ARCH__ >= 900
+    if (threadIdx.x == 0) {
+        for (int slot = 0; slot < a.slots; slot++) {
+            mbarrier_init(&s.full[slot], 1);
+            mbarrier_init(&s.empty[slot], a.multicast);
+        }
+        if (CLUSTER)
+            for (int half = 0; half < 2; half++) mbarrier_init(&s.arrived[half], 1); /* its own arrival, and bytes */
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    if (in_cluster) cluster_barrier(); /* every block has started before any copies into another */
+    else __syncthreads();
+    if (threadIdx.x < WARP)
+        for (int n = 0; n < a.slots - lag(a); n++) issue_tile(s, a, p, total);
+#endif
+    return p;
+}
+
+#ifdef FUSED_STRESS
+/* A testing build (tests/test_levels.py): each block pauses for a different time at each step, now and then for
+ * long, at the places where blocks hand each other data: before writing its share, before reading the others', and
+ * before freeing a tile. A block that runs ahead then writes while another still reads, so an exchange that is not
+ * safe shows as wrong numbers instead of passing by luck. */
+__device__ void stress_pause(const Step &st, int where) {
+    if (threadIdx.x == 0) {
+        const unsigned k = (unsigned)st.index * 2654435761u ^ (blockIdx.x + 1) * 40503u ^ (unsigned)where * 977u;
+        __nanosleep(k % 8 == 0 ? 20000 : (k >> 4) % 4 * 1000);
+    }
+    __syncthreads();
+}
+#else
+__device__ void stress_pause(const Step &, int) {}
+#endif
+
+/* The measuring build (level7_fused/phases.py, not the default) times each phase of block 0 with clock64(), after a
+ * __syncthreads (so a phase ends when the whole block is done with it), in registers; added up at the launch's end. */
+struct PhaseClock {
+    long long mark, total[8];
+};
 #ifdef FUSED_PROFILE
-    long long mark = clock64();
+__device__ unsigned long long fused_cycles[8];
+__device__ void phase_done(PhaseClock &clock, int phase) {
+    __syncthreads();
+    const long long now = clock64();
+    clock.total[phase] += now - clock.mark;
+    clock.mark = now;
+}
+__device__ void phases_recorded(const PhaseClock &clock) {
+    if (threadIdx.x == 0 && blockIdx.x == 0)
+        for (int phase = 0; phase < 8; phase++) fused_cycles[phase] += clock.total[phase];
+}
+#else
+__device__ void phase_done(PhaseClock &, int) {}
+__device__ void phases_recorded(const PhaseClock &) {}
 #endif
 
-    /* Load what this block owns; padding units get zeros, which keep them at zero all along. */
-    for (int i = t; i < UP * a.n_in; i += FUSED_THREADS) {
-        const int u = i / a.n_in, k = i % a.n_in;
-        w1s[i] = u < owned ? a.w1[(size_t)(j0 + u) * a.n_in + k] : 0.0f;
+/* ---- what the block owns: loaded at the start, written back at the end ---- */
+
+/* fc1's rows of this thread's 4 units, its float4 columns; padding units and columns hold zeros, which stay zero. */
+__device__ void load_owned(float4 (&w)[COLUMNS][GROUP_UNITS], const Shared &s, const FusedArgs &a, const Thread &t,
+                           int2 own, int U) {
+#pragma unroll
+    for (int c = 0; c < COLUMNS; c++) {
+        const int column = t.lane + c * GROUP_LANES;
+#pragma unroll
+        for (int u = 0; u < GROUP_UNITS; u++) {
+            const int unit = t.group * GROUP_UNITS + u;
+            w[c][u] = column < t.columns && unit < own.y
+                          ? reinterpret_cast<const float4 *>(a.w1 + (size_t)(own.x + unit) * a.n_in)[column]
+                          : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
     }
-    for (int i = t; i < 32 * UP; i += FUSED_THREADS) {
-        const int o = i / UP, u = i % UP;
-        w2s[i] = (o < O && u < owned) ? a.w2[(size_t)o * a.hidden + j0 + u] : 0.0f;
+    for (int i = threadIdx.x; i < a.n_out * U; i += blockDim.x) {
+        const int o = i / U, u = i % U;
+        s.w2[i] = u < own.y ? a.w2[(size_t)o * a.hidden + own.x + u] : 0.0f;
     }
-    for (int u = t; u < UP; u += FUSED_THREADS) b1s[u] = u < owned ? a.b1[j0 + u] : 0.0f;
-    for (int o = t; o < 32; o += FUSED_THREADS) b2s[o] = o < O ? a.b2[o] : 0.0f;
-    int xb = 0; /* which buffer (x0 or x1) holds, or is receiving, the next tile of x */
-    issue_tile(x0, a, 0, 0, min(TR, min(B, a.n_order)));
+    for (int u = threadIdx.x; u < U; u += blockDim.x) s.b1[u] = u < own.y ? a.b1[own.x + u] : 0.0f;
+    for (int o = threadIdx.x; o < MAX_OUT; o += blockDim.x) s.b2[o] = o < a.n_out ? a.b2[o] : 0.0f;
+}
 
-    /* The forward's thread layout: row (t % tp) of a tile, slice (t / tp) of the n_in inputs, for all UP units
-     * (each loaded x reused UP times). Slices of one row within a warp are added by shuffles, then the
-     * warps' sums in warp order. */
-    int tp = 1;
-    while (tp < TR) tp *= 2;
-    const int slices = FUSED_THREADS / tp, r_t = t % tp, slice = t / tp;
-    const int f0 = slice * nf / slices, f1 = (slice + 1) * nf / slices;
-
-    for (int step = 0; step < a.steps; step++) {
-        const int start = step * B, rows = min(B, a.n_order - start); /* the last batch may be partial */
-        const int tiles = (rows + TR - 1) / TR;
-        const bool more = step + 1 < a.steps;
-        const int next_rows = more ? min(TR, min(B, a.n_order - start - B)) : 0;
-        for (int r = t; r < rows; r += FUSED_THREADS) labels[r] = __ldg(a.data_y + __ldg(a.order + start + r));
-        PHASE(0);
-
-        /* ---- forward: h = x W1^T + b1 for this block's units, tile by tile, the next tile copied meanwhile ---- */
-        for (int tile = 0; tile < tiles; tile++) {
-            const int row0 = tile * TR, tile_n = min(TR, rows - row0);
-            const float *xs = xb ? x1 : x0;
-            if (tile + 1 < tiles) issue_tile(xb ? x0 : x1, a, start, row0 + TR, min(TR, rows - row0 - TR));
-            __pipeline_wait_prior(tile + 1 < tiles ? 1 : 0);
-            __syncthreads();
-            float acc[UP];
+/* The same back to the parameters; fc2.bias, identical in every block, from block 0. */
+__device__ void store_owned(const float4 (&w)[COLUMNS][GROUP_UNITS], const Shared &s, const FusedArgs &a,
+                            const Thread &t, int2 own, int U) {
 #pragma unroll
-            for (int u = 0; u < UP; u++) acc[u] = 0.0f;
-            if (r_t < tile_n) {
-                const float4 *x_row = reinterpret_cast<const float4 *>(xs + (size_t)r_t * a.x_stride);
-                for (int f = f0; f < f1; f++) {
-                    const float4 x = x_row[f];
+    for (int c = 0; c < COLUMNS; c++) {
+        const int column = t.lane + c * GROUP_LANES;
 #pragma unroll
-                    for (int u = 0; u < UP; u++) {
-                        const float4 w = reinterpret_cast<const float4 *>(w1s + u * a.n_in)[f];
-                        acc[u] += x.x * w.x + x.y * w.y + x.z * w.z + x.w * w.w;
-                    }
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < UP; u++)
-                for (int offset = tp; offset < WARP; offset *= 2) acc[u] += __shfl_xor_sync(0xffffffffu, acc[u], offset);
-            if (lane < tp)
-#pragma unroll
-                for (int u = 0; u < UP; u++) part[(warp * tp + lane) * UP + u] = acc[u];
-            __syncthreads();
-            for (int i = t; i < tile_n * UP; i += FUSED_THREADS) {
-                const int r = i / UP, u = i % UP;
-                float h = 0.0f;
-                for (int w = 0; w < FUSED_THREADS / WARP; w++) h += part[(w * tp + r) * UP + u];
-                hs[(row0 + r) * UP + u] = h + b1s[u];
-            }
-            if (tile + 1 < tiles) xb ^= 1;
+        for (int u = 0; u < GROUP_UNITS; u++) {
+            const int unit = t.group * GROUP_UNITS + u;
+            if (column < t.columns && unit < own.y)
+                reinterpret_cast<float4 *>(a.w1 + (size_t)(own.x + unit) * a.n_in)[column] = w[c][u];
         }
-        /* One tile holds the whole batch: it stays for the backward, and the next step's batch is copied into
-         * the other buffer from now on, through the barrier and the backward. */
-        if (tiles == 1 && more) issue_tile(xb ? x0 : x1, a, start + B, 0, next_rows);
-        __syncthreads();
-        PHASE(1);
+    }
+    for (int i = threadIdx.x; i < a.n_out * own.y; i += blockDim.x) {
+        const int o = i / own.y, u = i % own.y;
+        a.w2[(size_t)o * a.hidden + own.x + u] = s.w2[o * U + u];
+    }
+    for (int u = threadIdx.x; u < own.y; u += blockDim.x) a.b1[own.x + u] = s.b1[u];
+    if (blockIdx.x == 0)
+        for (int o = threadIdx.x; o < a.n_out; o += blockDim.x) a.b2[o] = s.b2[o];
+}
 
-        /* ---- this block's share of the logits, to the exchange buffer (by step parity) ---- */
-        float *share = a.exchange + ((size_t)(step % 2) * G + g) * B * O;
-        for (int i = t; i < rows * O; i += FUSED_THREADS) {
-            const int r = i / O, o = i % O;
-            float z = 0.0f;
-#pragma unroll
-            for (int u = 0; u < UP; u++) z += fmaxf(hs[r * UP + u], 0.0f) * w2s[o * UP + u];
-            share[(size_t)r * O + o] = z;
-        }
-        PHASE(2);
-        grid_barrier(a.barrier, G);
-        PHASE(3);
+/* ---- the phases of a step ---- */
 
-        /* ---- softmax and dlogits: one warp per row ----
-         * logit o = b2[o] + the G shares, in block order: the same bits in every block. The shares are split
-         * among 32 / O groups of O lanes (3 groups of 10 here), each adding its run of blocks with sixteen loads
-         * in flight; lane o then adds the groups' sums in group order. With two barriers, block g does rows
-         * g, g + G, ... and hands them round; with one, every block does every row. */
-        const float *shares = a.exchange + (size_t)(step % 2) * G * B * O;
-        const int groups = WARP / O, group = lane / O, o = lane % O;
-        const int first = a.two_barriers ? g : 0, stride = a.two_barriers ? G : 1;
-        for (int r = first + warp * stride; r < rows; r += stride * (FUSED_THREADS / WARP)) {
-            float sum_part = 0.0f;
-            if (group < groups) {
-                const float *column = shares + (size_t)r * O + o;
-                const size_t next = (size_t)B * O; /* from one block's share to the next */
-                const int s1 = (group + 1) * G / groups;
-                for (int s = group * G / groups; s < s1; s += 16) { /* sixteen loads in flight, added in order */
-                    float v[16];
+/* The batch's rows, read ahead, so that no read of global memory (about a microsecond each) stands in a step's way:
+ * the image numbers of a step (its rows of data_x) three steps ahead, into shared memory, where the tiles' producer
+ * finds them; the labels one step ahead, in registers. Thread t keeps rows t, t + threads, ... of every batch. */
+struct Rows {
+    int label[LABEL_ROWS]; /* of the next step's rows */
+    int image[LABEL_ROWS]; /* of the rows of the step three ahead */
+};
+
+__device__ int image_of(const FusedArgs &a, int step, int r) {
+    return step < a.steps && r < min(a.batch, a.n_order - step * a.batch) ? __ldg(a.order + step * a.batch + r) : -1;
+}
+
+/* Before the first step: the image numbers of steps 0, 1 and 2 in shared memory (a __syncthreads must follow), the
+ * labels of step 0 and the image numbers of step 3 in registers. */
+__device__ Rows start_rows(const Shared &s, const FusedArgs &a) {
+    Rows l;
 #pragma unroll
-                    for (int q = 0; q < 16; q++) v[q] = __ldcg(column + min(s + q, s1 - 1) * next); /* no branch */
+    for (int j = 0; j < LABEL_ROWS; j++) {
+        const int r = threadIdx.x + j * blockDim.x;
+        if (r >= a.batch) continue;
+        for (int step = 0; step < IMAGE_STEPS - 1; step++) s.images[step * a.batch + r] = image_of(a, step, r);
+        l.label[j] = s.images[r] >= 0 ? __ldg(a.data_y + s.images[r]) : 0;
+        l.image[j] = image_of(a, IMAGE_STEPS - 1, r);
+    }
+    return l;
+}
+
+/* At the start of step k: its labels into shared memory; the labels of step k + 1 read (their image numbers are in
+ * shared memory); the image numbers of step k + 3 stored, and those of step k + 4 read. */
+__device__ void next_rows(const Shared &s, const FusedArgs &a, const Step &st, Rows &l) {
 #pragma unroll
-                    for (int q = 0; q < 16; q++) v[q] = s + q < s1 ? v[q] : 0.0f;
+    for (int j = 0; j < LABEL_ROWS; j++) {
+        const int r = threadIdx.x + j * blockDim.x;
+        if (r >= a.batch) continue;
+        if (r < st.rows) s.labels[r] = l.label[j];
+        const int next = s.images[(st.index + 1) % IMAGE_STEPS * a.batch + r];
+        l.label[j] = next >= 0 ? __ldg(a.data_y + next) : 0;
+        s.images[(st.index + IMAGE_STEPS - 1) % IMAGE_STEPS * a.batch + r] = l.image[j];
+        l.image[j] = image_of(a, st.index + IMAGE_STEPS, r);
+    }
+}
+
+/* 8 rows of x (stride n_in) times this thread's weights: acc[r * 4 + u] = the sum over its columns of x[r] . w[u].
+ * Every x read from shared memory feeds 16 multiply-adds; the weights come from registers. */
+__device__ void tile_products(float (&acc)[ROW_TILE * GROUP_UNITS], const float *x, int n_in,
+                              const float4 (&w)[COLUMNS][GROUP_UNITS], const Thread &t) {
 #pragma unroll
-                    for (int q = 0; q < 16; q++) sum_part += v[q];
-                }
-            }
-            float z = lane < O ? b2s[lane] : -INFINITY;
-            for (int k = 0; k < groups; k++) {
-                const float from_group = __shfl_sync(0xffffffffu, sum_part, k * O + o);
-                if (lane < O) z += from_group;
-            }
-            const float top = warp_max(z);
-            const float e = lane < O ? expf(z - top) : 0.0f;
-            const float sum = warp_sum(e);
-            const int label = labels[r];
-            const float z_label = __shfl_sync(0xffffffffu, z, label);
-            const float dlogit = lane < O ? (e / sum - (lane == label ? 1.0f : 0.0f)) / (float)rows : 0.0f;
-            if (a.two_barriers) {
-                if (lane < O) a.dz_all[(size_t)r * O + lane] = dlogit;
-                if (lane == 0) a.row_loss[r] = logf(sum) - (z_label - top);
-            } else {
-                if (lane < O) dz[r * 32 + lane] = dlogit;
-                if (lane == 0) rl[r] = logf(sum) - (z_label - top);
+    for (int i = 0; i < ROW_TILE * GROUP_UNITS; i++) acc[i] = 0.0f;
+#pragma unroll
+    for (int c = 0; c < COLUMNS; c++) {
+        const int column = t.lane + c * GROUP_LANES;
+        if (column >= t.columns) continue;
+#pragma unroll
+        for (int r = 0; r < ROW_TILE; r++) {
+            const float4 xv = reinterpret_cast<const float4 *>(x + r * n_in)[column];
+#pragma unroll
+            for (int u = 0; u < GROUP_UNITS; u++) {
+                float v = acc[r * GROUP_UNITS + u];
+                v = fmaf(xv.x, w[c][u].x, v);
+                v = fmaf(xv.y, w[c][u].y, v);
+                v = fmaf(xv.z, w[c][u].z, v);
+                v = fmaf(xv.w, w[c][u].w, v);
+                acc[r * GROUP_UNITS + u] = v;
             }
         }
-        if (a.two_barriers) {
-            grid_barrier(a.barrier, G);
-            for (int i = t; i < rows * O; i += FUSED_THREADS) dz[(i / O) * 32 + i % O] = __ldcg(a.dz_all + i);
-            if (g == 0)
-                for (int r = t; r < rows; r += FUSED_THREADS) rl[r] = __ldcg(a.row_loss + r);
-        }
-        __syncthreads();
-        if (g == 0 && t == 0) { /* the mean loss, in double and in row order, as common/cuda_mlp.cuh's */
-            double total = 0.0;
-            for (int r = 0; r < rows; r++) total += rl[r];
-            a.losses[step] = (float)(total / rows);
-        }
-        PHASE(4);
+    }
+}
 
-        /* ---- backward ---- */
-        /* One pass, three independent products (each thread takes its items in turn):
-         *   dW2 (o, u) = sum over rows of dlogits[r, o] * a[r, u];  db2 (o) = sum over rows of dlogits[r, o];
-         *   da = dlogits W2 (the weights before this step's update), dh = da where h > 0: the ReLU's mask. */
-        for (int i = t; i < O * UP + O + rows * UP; i += FUSED_THREADS) {
-            if (i < O * UP) {
-                const int oo = i / UP, u = i % UP;
-                float sum = 0.0f;
-                for (int r = 0; r < rows; r++) sum += dz[r * 32 + oo] * fmaxf(hs[r * UP + u], 0.0f);
-                gw2[oo * UP + u] = sum;
-            } else if (i < O * UP + O) {
-                const int oo = i - O * UP;
-                float sum = 0.0f;
-                for (int r = 0; r < rows; r++) sum += dz[r * 32 + oo];
-                gb2[oo] = sum;
-            } else {
-                const int r = (i - O * UP - O) / UP, u = (i - O * UP - O) % UP;
-                float da = 0.0f;
-                for (int oo = 0; oo < O; oo++) da += dz[r * 32 + oo] * w2s[oo * UP + u];
-                dhs[r * UP + u] = hs[r * UP + u] > 0.0f ? da : 0.0f;
-            }
+/* The warp's 32 lanes each hold 32 partial sums; afterwards lane l holds the sum over the lanes of sum number l.
+ * Five rounds (HALF = 16, 8, 4, 2, 1): in each, a lane keeps half its sums and receives its partner's other half,
+ * a fixed tree (the same bits on every run), so a warp reduces 32 sums with 31 shuffles a lane. */
+template <int HALF = WARP / 2>
+__device__ float reduce_scatter(float (&v)[WARP], int lane) {
+    const bool upper = lane & HALF;
+#pragma unroll
+    for (int i = 0; i < HALF; i++) {
+        const float low = v[i], high = v[i + HALF]; /* chosen by value: an address chosen would put v in memory */
+        const float send = upper ? low : high, keep = upper ? high : low;
+        v[i] = keep + __shfl_xor_sync(0xffffffffu, send, HALF);
+    }
+    if constexpr (HALF > 1) return reduce_scatter<HALF / 2>(v, lane);
+    return v[0];
+}
+
+/* Forward: h (rows, U) = x W1^T + b1 for this block's units. Per tile of x, each thread multiplies 8 rows at a time by
+ * its part of the weights, each warp adds its lanes' sums (reduce_scatter), and the sums of a group's 4 warps, in
+ * warp order, plus the bias, are h. n: the step's first tile; past its forward tiles on return (a kept tile stays). */
+template <int GROUPS>
+__device__ void forward(const Shared &s, const FusedArgs &a, const Step &st, const float4 (&w)[COLUMNS][GROUP_UNITS],
+                        const Thread &t, int &n, Producer &p, int total) {
+    constexpr int U = GROUPS * GROUP_UNITS;
+    const int groups_of_rows = a.tile_rows / ROW_TILE, lane = threadIdx.x % WARP;
+    for (int k = 0; k < st.tiles; k++) {
+        const int tile = n + k, row0 = tile_row0(a, st, k), rows = min(a.tile_rows, st.rows - row0);
+        wait_tile(s, a, tile);
+        const float *x = tile_x(s, a, tile);
+        float *part = s.part + (tile % 2) * groups_of_rows * GROUPS * 4 * WARP;
+        for (int rg = 0; rg * ROW_TILE < rows; rg++) {
+            float acc[ROW_TILE * GROUP_UNITS];
+            tile_products(acc, x + rg * ROW_TILE * a.n_in, a.n_in, w, t);
+            part[((rg * GROUPS + t.group) * 4 + t.warp) * WARP + lane] = reduce_scatter(acc, lane);
         }
         __syncthreads();
-        for (int u = t; u < UP; u += FUSED_THREADS) {
+        if (!a.keep) release_tile(s, a, tile, p, total);
+        for (int i = threadIdx.x; i < rows * U; i += blockDim.x) { /* lane l of a warp summed row l / 4, unit l % 4 */
+            const int r = i / U, u = i % U;
+            const float *p = part + (((r / ROW_TILE) * GROUPS + u / GROUP_UNITS) * 4) * WARP +
+                             (r % ROW_TILE) * GROUP_UNITS + u % GROUP_UNITS;
+            s.h[(row0 + r) * U + u] = p[0] + p[WARP] + p[2 * WARP] + p[3 * WARP] + s.b1[u];
+        }
+    }
+    if (!a.keep) n += st.tiles;
+    __syncthreads();
+}
+
+/* Where this block's share of the logits goes in block `to`'s exchange (cluster), or in global memory (grid). */
+template <bool CLUSTER>
+__device__ float *share_slot(const Shared &s, const FusedArgs &a, int half, int from) {
+    if constexpr (CLUSTER) return s.shares + ((size_t)half * gridDim.x + from) * round4(a.batch * a.n_out);
+    return a.exchange + ((size_t)half * gridDim.x + from) * a.batch * a.n_out;
+}
+
+/* This block's share of the logits: sum over its units of relu(h[r, u]) * fc2.weight[o, u], element r * n_out + o,
+ * written to its own slot. Cluster: then copied, whole, into the same slot of every other block (a bulk copy each,
+ * sent by a lane of warp 0), each landing counted by the receiver's `arrived` barrier, which expects the shares of
+ * all the others. Grid: the slot is in global memory. */
+template <bool CLUSTER, int U>
+__device__ void share_of_logits(const Shared &s, const FusedArgs &a, const Step &st) {
+    const int items = st.rows * a.n_out;
+    float *mine = share_slot<CLUSTER>(s, a, st.half, blockIdx.x);
+    for (int item = threadIdx.x; item < items; item += blockDim.x) {
+        const int r = item / a.n_out, o = item % a.n_out;
+        float z = 0.0f;
+#pragma unroll
+        for (int u = 0; u < U; u++) z = fmaf(fmaxf(s.h[r * U + u], 0.0f), s.w2[o * U + u], z);
+        mine[item] = z;
+    }
+#if __CUDA_ARCH__ >= 900
+    if constexpr (CLUSTER) {
+        const unsigned bytes = round4(items) * sizeof(float), others = gridDim.x - 1;
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); /* our writes, before the copy engine reads */
+        __syncthreads();
+        if (threadIdx.x == 0) mbarrier_expect_bytes(&s.arrived[st.half], others * bytes);
+        if (threadIdx.x < gridDim.x && threadIdx.x != blockIdx.x)
+            bulk_copy_to_block(mine, bytes, &s.arrived[st.half], threadIdx.x);
+    }
+#endif
+}
+
+/* A share, from this block's shared memory (cluster) or from global memory, past the L1 cache, which could hold an
+ * old copy of the exchange buffer (grid). */
+template <bool CLUSTER>
+__device__ float read_share(const float *p) {
+    if constexpr (CLUSTER) return *p;
+    return __ldcg(p);
+}
+
+/* z + the shares of blocks q0 .. q1 - 1 for element `item`, added in block order; eight reads in flight at a time. */
+template <bool CLUSTER>
+__device__ float add_shares(float z, const Shared &s, const FusedArgs &a, int half, int item, int q0, int q1) {
+    for (int q = q0; q < q1; q += 8) {
+        float v[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++) v[j] = q + j < q1 ? read_share<CLUSTER>(share_slot<CLUSTER>(s, a, half, q + j) + item) : 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+            if (q + j < q1) z += v[j];
+    }
+    return z;
+}
+
+/* The end of the exchange. Cluster: wait until every block's share has landed here (the step's `arrived` barrier;
+ * each half is used every other step, hence the parity). Grid: every block waits for all at grid_barrier. */
+template <bool CLUSTER>
+__device__ void exchange_barrier(const Shared &s, const FusedArgs &a, const Step &st) {
+#if __CUDA_ARCH__ >= 900
+    if constexpr (CLUSTER) {
+        mbarrier_wait(&s.arrived[st.half], st.index / 2 % 2);
+        return;
+    }
+#endif
+    grid_barrier(a.barrier, gridDim.x);
+}
+
+/* Softmax of one row's logits z (lane o holds z[o]; lanes past n_out hold -inf), its loss and its dlogits. */
+__device__ void softmax_row(float z, int label, int rows, int n_out, float *dz_row, float *loss) {
+    const int lane = threadIdx.x % WARP;
+    const float top = warp_max(z);
+    const float e = lane < n_out ? expf(z - top) : 0.0f;
+    const float sum = warp_sum(e);
+    const float z_label = __shfl_sync(0xffffffffu, z, label);
+    if (lane < n_out) dz_row[lane] = (e / sum - (lane == label ? 1.0f : 0.0f)) / (float)rows;
+    if (lane == 0) *loss = logf(sum) - (z_label - top);
+}
+
+/* Softmax, loss and dlogits. Logit o = fc2.bias[o] + the G shares, added in block order: the same bits in every
+ * block. Cluster, or a grid with one barrier: every block does every row, a warp a row. A grid with two barriers:
+ * block g does rows g, g + G, ..., its warps splitting the shares of a row into runs, and hands its rows round
+ * through global memory; after the second barrier every block reads all of them. */
+template <bool CLUSTER>
+__device__ void softmax_and_dlogits(const Shared &s, const FusedArgs &a, const Step &st) {
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, warps = blockDim.x / WARP;
+    const int G = gridDim.x, O = a.n_out;
+    if (CLUSTER || !a.two_barriers) {
+        for (int r = warp; r < st.rows; r += warps) {
+            float z = -INFINITY;
+            if (lane < O) z = add_shares<CLUSTER>(s.b2[lane], s, a, st.half, r * O + lane, 0, G);
+            softmax_row(z, s.labels[r], st.rows, O, s.dz + r * O, s.row_loss + r);
+        }
+        __syncthreads();
+        return;
+    }
+    float *dz_all = a.exchange + 2 * (size_t)G * a.batch * O, *loss_all = dz_all + (size_t)a.batch * O;
+    const int mine = st.rows > blockIdx.x ? cdiv(st.rows - blockIdx.x, G) : 0; /* rows of this block */
+    for (int first = 0; first < mine; first += warps) {
+        const int here = min(warps, mine - first), runs = warps / here; /* runs of blocks per row */
+        const int j = warp / runs, run = warp % runs;
+        if (j < here) {
+            const int r = blockIdx.x + (first + j) * G;
+            s.sums[warp * MAX_OUT + lane] =
+                lane < O ? add_shares<false>(0.0f, s, a, st.half, r * O + lane, run * G / runs, (run + 1) * G / runs) : 0.0f;
+        }
+        __syncthreads();
+        if (warp < here) {
+            const int r = blockIdx.x + (first + warp) * G;
+            float z = -INFINITY;
+            if (lane < O) {
+                z = s.b2[lane];
+                for (int run = 0; run < runs; run++) z += s.sums[(warp * runs + run) * MAX_OUT + lane];
+            }
+            softmax_row(z, s.labels[r], st.rows, O, dz_all + r * O, loss_all + r);
+        }
+        __syncthreads();
+    }
+    grid_barrier(a.barrier, G);
+    for (int i = threadIdx.x; i < st.rows * O; i += blockDim.x) s.dz[i] = __ldcg(dz_all + i);
+    if (blockIdx.x == 0)
+        for (int r = threadIdx.x; r < st.rows; r += blockDim.x) s.row_loss[r] = __ldcg(loss_all + r);
+    __syncthreads();
+}
+
+/* The step's mean loss (block 0, its first warp): row losses added in double, lane l taking rows l, l + 32, ..., then
+ * the lanes by a fixed tree. */
+__device__ void record_loss(const Shared &s, const FusedArgs &a, const Step &st) {
+    if (blockIdx.x != 0 || threadIdx.x >= WARP) return;
+    double total = 0.0;
+    for (int r = threadIdx.x; r < st.rows; r += WARP) total += s.row_loss[r];
+    for (int offset = WARP / 2; offset > 0; offset /= 2) total += __shfl_xor_sync(0xffffffffu, total, offset);
+    if (threadIdx.x == 0) a.losses[st.index] = (float)(total / st.rows);
+}
+
+/* The sum over the step's rows of f(r), in a fixed order, for item `item` of `items`: a thread an item when the rows
+ * are few, else a warp an item, its lanes splitting the rows. Calls out(item, sum) once per item. */
+template <typename Term, typename Out>
+__device__ void sum_over_rows(int items, int rows, Term f, Out out) {
+    if (rows <= SERIAL_ROWS) {
+        for (int item = threadIdx.x; item < items; item += blockDim.x) {
             float sum = 0.0f;
-            for (int r = 0; r < rows; r++) sum += dhs[r * UP + u];
-            gb1[u] = sum;
+#pragma unroll 8
+            for (int r = 0; r < rows; r++) sum += f(item, r);
+            out(item, sum);
         }
-        PHASE(5);
-        /* dW1 (u, k) = sum over rows of dh[r, u] * x[r, k], and the update of this block's rows of W1.
-         * Item = (a float4 column f of the inputs, a group of up to 4 units); at most two items per thread,
-         * each summing every row into registers. One tile: it is still in xs. More: the tiles again, from the
-         * last (still in xs) down to the first, the one below copied meanwhile. */
-        constexpr int GROUP = UP < 4 ? UP : 4, GROUPS = UP / GROUP;
-        float4 acc[2][GROUP];
+        return;
+    }
+    const int lane = threadIdx.x % WARP;
+    for (int item = threadIdx.x / WARP; item < items; item += blockDim.x / WARP) {
+        float sum = 0.0f;
+        for (int r = lane; r < rows; r += WARP) sum += f(item, r);
+        sum = warp_sum(sum);
+        if (lane == 0) out(item, sum);
+    }
+}
+
+/* The backward's small products, then the update of what is small (the weights before it fed dh):
+ *   dW2 (o, u) = sum over rows of dlogits[r, o] * relu(h[r, u]);  db2 (o) = sum over rows of dlogits[r, o];
+ *   dh (r, u) = (dlogits W2)[r, u] where h > 0, else 0;  db1 (u) = sum over rows of dh[r, u]. */
+template <int U>
+__device__ void backward_small(const Shared &s, const FusedArgs &a, const Step &st) {
+    const int O = a.n_out, rows = st.rows;
+    sum_over_rows(
+        O * U + O, rows,
+        [&](int item, int r) {
+            return item < O * U ? s.dz[r * O + item / U] * fmaxf(s.h[r * U + item % U], 0.0f) : s.dz[r * O + item - O * U];
+        },
+        [&](int item, float sum) { (item < O * U ? s.gw2[item] : s.gb2[item - O * U]) = sum; });
+    for (int i = threadIdx.x; i < rows * U; i += blockDim.x) {
+        const int r = i / U, u = i % U;
+        float da = 0.0f;
+#pragma unroll 4
+        for (int o = 0; o < O; o++) da = fmaf(s.dz[r * O + o], s.w2[o * U + u], da);
+        s.dh[i] = s.h[i] > 0.0f ? da : 0.0f;
+    }
+    __syncthreads();
+    sum_over_rows(
+        U, rows, [&](int u, int r) { return s.dh[r * U + u]; },
+        [&](int u, float sum) { s.b1[u] = fmaf(-a.lr, sum, s.b1[u]); });
+    for (int i = threadIdx.x; i < O * U; i += blockDim.x) s.w2[i] = fmaf(-a.lr, s.gw2[i], s.w2[i]);
+    for (int o = threadIdx.x; o < O; o += blockDim.x) s.b2[o] = fmaf(-a.lr, s.gb2[o], s.b2[o]);
+}
+
+/* dW1 (u, k) = sum over rows of dh[r, u] * x[r, k], for this thread's 4 units and columns, in registers, tile by tile
+ * of x (a kept tile is still there); then W1 -= lr dW1, in registers. n: past the step's tiles on return. */
+template <int GROUPS>
+__device__ void dw1_and_update(const Shared &s, const FusedArgs &a, const Step &st, float4 (&w)[COLUMNS][GROUP_UNITS],
+                               const Thread &t, int &n, Producer &p, int total) {
+    constexpr int U = GROUPS * GROUP_UNITS;
+    float4 grad[COLUMNS][GROUP_UNITS];
 #pragma unroll
-        for (int it = 0; it < 2; it++)
+    for (int c = 0; c < COLUMNS; c++)
 #pragma unroll
-            for (int q = 0; q < GROUP; q++) acc[it][q] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        for (int tile = tiles - 1; tile >= 0; tile--) {
-            const int row0 = tile * TR, tile_n = min(TR, rows - row0);
-            const float *xs = xb ? x1 : x0;
-            if (tiles > 1) { /* this tile arrived (the copy issued one iteration ago); the one below starts */
-                if (tile > 0) issue_tile(xb ? x0 : x1, a, start, row0 - TR, TR);
-                __pipeline_wait_prior(tile > 0 ? 1 : 0);
-                __syncthreads();
-            }
+        for (int u = 0; u < GROUP_UNITS; u++) grad[c][u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int k = 0; k < st.tiles; k++) {
+        const int tile = n + k, row0 = tile_row0(a, st, k), rows = min(a.tile_rows, st.rows - row0);
+        if (!a.keep) wait_tile(s, a, tile);
+        const float *x = tile_x(s, a, tile);
+        for (int r = 0; r < rows; r++) {
+            const float4 d = reinterpret_cast<const float4 *>(s.dh + (row0 + r) * U)[t.group];
+            const float dr[GROUP_UNITS] = {d.x, d.y, d.z, d.w};
 #pragma unroll
-            for (int it = 0; it < 2; it++) {
-                const int item = t + it * FUSED_THREADS;
-                if (item >= nf * GROUPS) continue;
-                const int f = item % nf, u0 = (item / nf) * GROUP;
-                for (int r = 0; r < tile_n; r++) {
-                    const float4 x = reinterpret_cast<const float4 *>(xs + (size_t)r * a.x_stride)[f];
+            for (int c = 0; c < COLUMNS; c++) {
+                const int column = t.lane + c * GROUP_LANES;
+                if (column >= t.columns) continue;
+                const float4 xv = reinterpret_cast<const float4 *>(x + r * a.n_in)[column];
 #pragma unroll
-                    for (int q = 0; q < GROUP; q++) {
-                        const float d = dhs[(row0 + r) * UP + u0 + q];
-                        acc[it][q].x += d * x.x, acc[it][q].y += d * x.y, acc[it][q].z += d * x.z, acc[it][q].w += d * x.w;
-                    }
+                for (int u = 0; u < GROUP_UNITS; u++) {
+                    grad[c][u].x = fmaf(dr[u], xv.x, grad[c][u].x);
+                    grad[c][u].y = fmaf(dr[u], xv.y, grad[c][u].y);
+                    grad[c][u].z = fmaf(dr[u], xv.z, grad[c][u].z);
+                    grad[c][u].w = fmaf(dr[u], xv.w, grad[c][u].w);
                 }
             }
-            if (tile > 0) {
-                __syncthreads(); /* everyone is done with this tile before the next copy reuses its buffer */
-                xb ^= 1;
-            }
         }
-#pragma unroll
-        for (int it = 0; it < 2; it++) {
-            const int item = t + it * FUSED_THREADS;
-            if (item >= nf * GROUPS) continue;
-            const int f = item % nf, u0 = (item / nf) * GROUP;
-#pragma unroll
-            for (int q = 0; q < GROUP; q++) {
-                float4 *w = reinterpret_cast<float4 *>(w1s + (u0 + q) * a.n_in) + f;
-                float4 v = *w;
-                v.x -= a.lr * acc[it][q].x, v.y -= a.lr * acc[it][q].y, v.z -= a.lr * acc[it][q].z, v.w -= a.lr * acc[it][q].w;
-                *w = v;
-            }
-        }
-        __syncthreads(); /* gb1, gw2, gb2 are complete; the tiles' buffers are free */
-        if (tiles == 1) {
-            xb ^= 1; /* the next step's batch was copied into the other buffer during this step */
-        } else if (more) {
-            issue_tile(xb ? x0 : x1, a, start + B, 0, next_rows);
-            xb ^= 1;
-        }
-        for (int u = t; u < UP; u += FUSED_THREADS) b1s[u] -= a.lr * gb1[u];
-        for (int i = t; i < O * UP; i += FUSED_THREADS) w2s[i] -= a.lr * gw2[i];
-        for (int oo = t; oo < O; oo += FUSED_THREADS) b2s[oo] -= a.lr * gb2[oo];
-        __syncthreads();
-        PHASE(6);
+        stress_pause(st, 2);
+        __syncthreads(); /* the whole block is done with the tile */
+        release_tile(s, a, tile, p, total);
     }
-    __pipeline_wait_prior(0); /* no copy may outlive the launch */
+    n += st.tiles;
+#pragma unroll
+    for (int c = 0; c < COLUMNS; c++)
+#pragma unroll
+        for (int u = 0; u < GROUP_UNITS; u++) {
+            w[c][u].x = fmaf(-a.lr, grad[c][u].x, w[c][u].x);
+            w[c][u].y = fmaf(-a.lr, grad[c][u].y, w[c][u].y);
+            w[c][u].z = fmaf(-a.lr, grad[c][u].z, w[c][u].z);
+            w[c][u].w = fmaf(-a.lr, grad[c][u].w, w[c][u].w);
+        }
+}
 
-    /* Write back what this block owns; fc2.bias, identical in every block, from block 0. */
-    for (int i = t; i < owned * a.n_in; i += FUSED_THREADS) a.w1[(size_t)j0 * a.n_in + i] = w1s[i];
-    for (int i = t; i < O * owned; i += FUSED_THREADS) {
-        const int oo = i / owned, u = i % owned;
-        a.w2[(size_t)oo * a.hidden + j0 + u] = w2s[oo * UP + u];
+/* ---- the kernel: the phases of every step, in order ----
+ * GROUPS: groups of 4 units per block (U = 4 GROUPS units, 128 GROUPS threads). CLUSTER: how the shares travel. */
+template <int GROUPS, bool CLUSTER>
+__global__ void __launch_bounds__(GROUPS *GROUP_LANES, 1) fused_epoch_kernel(const FusedArgs a) {
+#if __CUDA_ARCH__ >= 900
+    constexpr int U = GROUPS * GROUP_UNITS;
+    extern __shared__ float4 smem4[];
+    const Shared s = carve(reinterpret_cast<float *>(smem4), layout(a, GROUPS, gridDim.x, CLUSTER));
+    const Thread t = this_thread(a);
+    const int2 own = owned_units(blockIdx.x, a.units, a.hidden);
+    const bool in_cluster = CLUSTER || a.multicast > 1;
+    float4 w[COLUMNS][GROUP_UNITS]; /* this thread's part of fc1.weight, for the whole launch */
+    load_owned(w, s, a, t, own, U);
+    const int total = tile_count(a);
+    Rows rows = start_rows(s, a); /* before the first copies, which read the image numbers */
+    Producer p = start_tiles<CLUSTER>(s, a, total, in_cluster);
+    int n = 0; /* the next tile of x to read */
+    PhaseClock clock{clock64(), {}}; /* read by the measuring build only */
+    for (int index = 0; index < a.steps; index++) {
+        const Step st = step_at(a, index);
+        next_rows(s, a, st, rows);
+        phase_done(clock, 0);
+        forward<GROUPS>(s, a, st, w, t, n, p, total);
+        phase_done(clock, 1);
+        stress_pause(st, 0);
+        share_of_logits<CLUSTER, U>(s, a, st);
+        phase_done(clock, 2);
+        exchange_barrier<CLUSTER>(s, a, st);
+        phase_done(clock, 3);
+        stress_pause(st, 1);
+        softmax_and_dlogits<CLUSTER>(s, a, st);
+        record_loss(s, a, st);
+        phase_done(clock, 4);
+        backward_small<U>(s, a, st);
+        phase_done(clock, 5);
+        dw1_and_update<GROUPS>(s, a, st, w, t, n, p, total);
+        phase_done(clock, 6);
     }
-    for (int u = t; u < owned; u += FUSED_THREADS) a.b1[j0 + u] = b1s[u];
-    if (g == 0)
-        for (int oo = t; oo < O; oo += FUSED_THREADS) a.b2[oo] = b2s[oo];
+    store_owned(w, s, a, t, own, U);
+    phases_recorded(clock);
+    if (in_cluster) cluster_barrier(); /* no block leaves while another may still write into its memory */
+#else
+    __trap(); /* make_plan fuses on compute capability 9.0 and up only */
+#endif
 }
 
 /* ---- the plan: how a batch size is run, fused or not ---- */
 
 struct FusedPlan {
-    int fused;                  /* 1: the fused kernel; 0: level 6's queued kernels */
-    int blocks, units, padded;  /* G, U, U rounded up to a power of two */
-    int tile_rows, x_stride, two_barriers;
-    size_t smem;                /* bytes of dynamic shared memory per block */
-    char why[160];              /* for mlp_fused_plan */
+    int fused;         /* 1: the fused kernel; 0: level 6's queued kernels */
+    int cluster;       /* 1: one thread-block cluster; 0: a cooperative grid */
+    int blocks, units; /* G blocks of U units (4 x groups) */
+    int tile_rows, slots, keep, multicast, two_barriers;
+    size_t smem;       /* bytes of dynamic shared memory per block */
+    char why[200];     /* for mlp_fused_plan */
 };
 
-/* Floats of shared memory the kernel lays out above, each region a whole number of float4s. */
-static size_t smem_floats(int up, int n_in, int tile_rows, int x_stride, int batch) {
-    return (size_t)up * n_in + 2 * (size_t)tile_rows * x_stride + (size_t)FUSED_THREADS * up + 2 * (size_t)batch * up +
-           (size_t)batch * 32 + (size_t)(batch + 3) / 4 * 4 + 2 * 32 * (size_t)up + 2 * (size_t)up + 64 + batch;
-}
-
-static int round_up_pow2(int n) {
-    int p = 1;
-    while (p < n) p *= 2;
-    return p;
-}
-
-/* The kernel instantiated for up units per block (a power of two up to MAX_UNITS). */
-static const void *kernel_for(int up) {
-    switch (up) {
-    case 1: return reinterpret_cast<const void *>(fused_epoch_kernel<1>);
-    case 2: return reinterpret_cast<const void *>(fused_epoch_kernel<2>);
-    case 4: return reinterpret_cast<const void *>(fused_epoch_kernel<4>);
-    case 8: return reinterpret_cast<const void *>(fused_epoch_kernel<8>);
-    default: return reinterpret_cast<const void *>(fused_epoch_kernel<16>);
+/* The kernel for `units` per block (4, 8 or 16) and the plan's exchange. */
+template <bool CLUSTER>
+static const void *kernel_for(int units) {
+    switch (units) {
+    case 4: return reinterpret_cast<const void *>(fused_epoch_kernel<1, CLUSTER>);
+    case 8: return reinterpret_cast<const void *>(fused_epoch_kernel<2, CLUSTER>);
+    default: return reinterpret_cast<const void *>(fused_epoch_kernel<4, CLUSTER>);
     }
+}
+
+static const void *kernel_for(const FusedPlan &plan) {
+    return plan.cluster ? kernel_for<true>(plan.units) : kernel_for<false>(plan.units);
+}
+
+/* The launch of the plan's kernel: one cluster of all the blocks; or a cooperative grid, in clusters of `multicast`. */
+static cudaLaunchConfig_t launch_config(const FusedPlan &plan, cudaStream_t stream, cudaLaunchAttribute *attributes) {
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(plan.blocks);
+    config.blockDim = dim3(plan.units / GROUP_UNITS * GROUP_LANES);
+    config.dynamicSmemBytes = plan.smem;
+    config.stream = stream;
+    config.attrs = attributes;
+    if (!plan.cluster) {
+        attributes[config.numAttrs].id = cudaLaunchAttributeCooperative;
+        attributes[config.numAttrs++].val.cooperative = 1;
+    }
+    if (plan.cluster || plan.multicast > 1) {
+        attributes[config.numAttrs].id = cudaLaunchAttributeClusterDimension;
+        attributes[config.numAttrs++].val.clusterDim = {(unsigned)(plan.cluster ? plan.blocks : plan.multicast), 1, 1};
+    }
+    return config;
+}
+
+/* Does the plan's launch fit on this GPU at once? Sets *why when not. */
+static int fits(const FusedPlan &plan, cudaStream_t stream, int sms, const char **why) {
+    const void *kernel = kernel_for(plan);
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)plan.smem));
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    cudaLaunchAttribute attributes[2];
+    const cudaLaunchConfig_t config = launch_config(plan, stream, attributes);
+    if (plan.cluster || plan.multicast > 1) {
+        int clusters = 0;
+        const cudaError_t err = cudaOccupancyMaxActiveClusters(&clusters, kernel, &config);
+        if (err != cudaSuccess) (void)cudaGetLastError(); /* a size this GPU refuses: not a failure, a "no" */
+        const int needed = plan.cluster ? 1 : plan.blocks / plan.multicast;
+        if (err != cudaSuccess || clusters < needed) *why = "its clusters do not all fit on the GPU at once";
+    } else {
+        int per_sm = 0;
+        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, (int)config.blockDim.x, plan.smem));
+        if ((long)per_sm * sms < plan.blocks) *why = "its blocks do not all fit on the GPU at once";
+    }
+    return MLP_OK;
+}
+
+/* Can this GPU launch a cooperative grid in clusters (the grid exchange with a multicast)? Asked once, by a launch. */
+__global__ void cooperative_cluster_probe() {}
+
+static int cooperative_clusters() {
+    static int answer = -1;
+    if (answer < 0) {
+        cudaLaunchAttribute attributes[2];
+        attributes[0].id = cudaLaunchAttributeCooperative, attributes[0].val.cooperative = 1;
+        attributes[1].id = cudaLaunchAttributeClusterDimension, attributes[1].val.clusterDim = {2, 1, 1};
+        cudaLaunchConfig_t config = {};
+        config.gridDim = dim3(2), config.blockDim = dim3(WARP), config.attrs = attributes, config.numAttrs = 2;
+        const cudaError_t err = cudaLaunchKernelEx(&config, cooperative_cluster_probe);
+        const cudaError_t done = err == cudaSuccess ? cudaDeviceSynchronize() : err;
+        if (done != cudaSuccess) (void)cudaGetLastError();
+        answer = done == cudaSuccess;
+    }
+    return answer;
+}
+
+static int knob(const char *name, int otherwise) {
+    const char *value = getenv(name);
+    return value && atoi(value) > 0 ? atoi(value) : otherwise;
+}
+
+/* Sizes, tiles and shared memory of a plan of `units` per block, in one cluster or a grid. */
+static void lay_out(FusedPlan *plan, const mlp *m, int batch, int units, int cluster, int multicast) {
+    plan->cluster = cluster;
+    plan->units = units;
+    plan->blocks = cdiv(m->hidden, units);
+    plan->keep = batch <= KEEP_ROWS;
+    plan->tile_rows = plan->keep ? cdiv(batch, ROW_TILE) * ROW_TILE : STREAM_ROWS;
+    plan->multicast = cluster ? 1 : multicast;
+    plan->slots = (plan->keep ? 2 : STREAM_SLOTS) + (plan->multicast > 1); /* one more for the lag (lag()) */
+    plan->two_barriers = !cluster && (size_t)plan->blocks * batch > 4096; /* all blocks reading G x B shares: too many */
+    FusedArgs sizes{};
+    sizes.n_in = m->n_in, sizes.n_out = m->n_out, sizes.batch = batch;
+    sizes.tile_rows = plan->tile_rows, sizes.slots = plan->slots;
+    plan->smem = sizeof(float) * layout(sizes, units / GROUP_UNITS, plan->blocks, cluster).total;
+}
+
+/* Lays out a plan and says why it cannot run (NULL: it can). */
+static int try_plan(FusedPlan *plan, mlp *m, int batch, int units, int cluster, int multicast, int sms, int optin,
+                    const char **no) {
+    *no = NULL;
+    lay_out(plan, m, batch, units, cluster, multicast);
+    if (plan->smem > (size_t)optin) *no = "the batch does not fit in shared memory";
+    else if (batch > LABEL_ROWS * units / GROUP_UNITS * GROUP_LANES) *no = "the batch is more than 4 rows a thread";
+    else if (plan->blocks % plan->multicast) *no = "its blocks do not fill whole clusters";
+    else return fits(*plan, m->stream, sms, no);
+    return MLP_OK;
 }
 
 static int make_plan(mlp *m, int batch, FusedPlan *plan) {
     *plan = FusedPlan{};
-    int device = 0, sms = 0, optin = 0, cooperative = 0;
+    int device = 0, sms = 0, optin = 0, major = 0;
     CUDA_CHECK(cudaGetDevice(&device));
     CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
     CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    CUDA_CHECK(cudaDeviceGetAttribute(&cooperative, cudaDevAttrCooperativeLaunch, device));
-    int units = (m->hidden + sms - 1) / sms;
-    if (units < MIN_UNITS) units = MIN_UNITS;
-    if (const char *knob = getenv("MLP_FUSED_UNITS")) units = atoi(knob) > 0 ? atoi(knob) : units;
-    if (units > m->hidden) units = m->hidden;
-    plan->units = units;
-    plan->padded = round_up_pow2(units);
-    plan->blocks = (m->hidden + units - 1) / units;
-    plan->tile_rows = batch < TILE_ROWS ? batch : TILE_ROWS;
-    int stride = (m->n_in + 3) / 4 * 4; /* rows of xs: a multiple of 4 floats that is 4, 12, 20 or 28 mod 32, so */
-    while (stride % 8 != 4) stride += 4; /* that the float4 reads of 8 neighbouring rows hit 8 disjoint bank groups */
-    plan->x_stride = stride;
-    plan->smem = sizeof(float) * smem_floats(plan->padded, m->n_in, plan->tile_rows, stride, batch);
-    while (plan->smem > (size_t)optin && plan->tile_rows > 8) { /* smaller tiles of x before giving up */
-        plan->tile_rows /= 2;
-        plan->smem = sizeof(float) * smem_floats(plan->padded, m->n_in, plan->tile_rows, stride, batch);
-    }
-    plan->two_barriers = (size_t)plan->blocks * batch > 4096; /* every block reading G x B shares costs too much */
+    CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    const char *exchange = getenv("MLP_FUSED_EXCHANGE");
+    int units = knob("MLP_FUSED_UNITS", 0);
+    if (units != 4 && units != 8 && units != 16) units = 0;
     const char *no = NULL;
-    if (!cooperative) no = "this GPU cannot launch cooperatively";
-    else if (m->n_in % 4 || m->n_out > 32) no = "inputs not a multiple of 4, or more than 32 outputs";
-    else if (plan->padded > MAX_UNITS) no = "more than 16 hidden units per block (hidden too large for one wave)";
-    else if (plan->smem > (size_t)optin) no = "the batch and the units do not fit in shared memory";
-    if (!no) {
-        int per_sm = 0;
-        const void *kernel = kernel_for(plan->padded);
-        CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)plan->smem));
-        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, FUSED_THREADS, plan->smem));
-        if ((long)per_sm * sms < plan->blocks) no = "the blocks do not all fit on the GPU at once";
+    int status = MLP_OK;
+    if (major < 9) no = "it needs a Hopper GPU, compute capability 9.0 (thread-block clusters, bulk copies)";
+    else if (m->n_in % 4 || m->n_in > 4 * GROUP_LANES * COLUMNS || m->n_out > MAX_OUT)
+        no = "inputs not a multiple of 4 or more than 1,024 of them, or more than 32 outputs";
+    /* One cluster where the batch is small and the blocks fit in one: the step is then latency, which the cluster's
+     * barrier and its writes into shared memory cut. Else a cooperative grid, a block per SM or so. */
+    bool done = no != NULL;
+    if (!done && !(exchange && !strcmp(exchange, "grid")) && batch <= KEEP_ROWS &&
+        cdiv(m->hidden, units ? units : 16) <= MAX_CLUSTER) {
+        status = try_plan(plan, m, batch, units ? units : 16, 1, 1, sms, optin, &no);
+        done = !no;
     }
+    if (!done && !status) {
+        const int grid_units = units ? units : (cdiv(m->hidden, 8) <= sms ? 8 : 16);
+        int multicast = knob("MLP_FUSED_MULTICAST", MAX_MULTICAST);
+        if (multicast > MAX_MULTICAST || major != 9 || !cooperative_clusters()) multicast = 1; /* sm_90a's alone */
+        for (; !status; multicast /= 2) {
+            status = try_plan(plan, m, batch, grid_units, 0, multicast, sms, optin, &no);
+            if (!no || multicast <= 1) break;
+        }
+    }
+    if (status) return status;
     plan->fused = !no;
     if (no)
         snprintf(plan->why, sizeof plan->why, "level 6's queued kernels (not fused: %s; hidden %d, batch %d)", no,
                  m->hidden, batch);
+    else if (plan->cluster)
+        snprintf(plan->why, sizeof plan->why,
+                 "fused: a cluster of %d blocks x %d units, one barrier per step, %zu bytes of shared memory",
+                 plan->blocks, plan->units, plan->smem);
     else
-        snprintf(plan->why, sizeof plan->why, "fused: %d blocks x %d units, %s per step, %zu bytes of shared memory",
-                 plan->blocks, plan->units, plan->two_barriers ? "two barriers" : "one barrier", plan->smem);
+        snprintf(plan->why, sizeof plan->why,
+                 "fused: a grid of %d blocks x %d units, %s per step, x shared by %d block%s, %zu bytes of shared memory",
+                 plan->blocks, plan->units, plan->two_barriers ? "two barriers" : "one barrier", plan->multicast,
+                 plan->multicast > 1 ? "s" : "", plan->smem);
     return MLP_OK;
 }
 
+/* ---- level 7's own state: the last plan, and the grid's exchange buffer and barrier, made at the first grid launch ---- */
+
+struct FusedState {
+    FusedPlan plan;    /* the plan of the last epoch: made again when the batch size or a knob changes */
+    int plan_batch;
+    char plan_knobs[128];
+    float *exchange;   /* (exchange_capacity) what the blocks of a grid hand each other */
+    int exchange_capacity;
+    unsigned *barrier; /* (2) the grid barrier: arrivals, generation */
+};
+
+static int free_epoch_state(mlp *m) {
+    FusedState *state = static_cast<FusedState *>(m->epoch_state);
+    if (!state) return MLP_OK;
+    const cudaError_t err = free_device({state->exchange, state->barrier});
+    free(state);
+    m->epoch_state = NULL;
+    CUDA_CHECK(err);
+    return MLP_OK;
+}
+
+/* The knobs as they are now, one string. */
+static void knob_values(char *out, size_t size) {
+    const char *names[] = {"MLP_FUSED_UNITS", "MLP_FUSED_EXCHANGE", "MLP_FUSED_MULTICAST"};
+    out[0] = 0;
+    for (const char *name : names) {
+        const char *value = getenv(name);
+        snprintf(out + strlen(out), size - strlen(out), "%s|", value ? value : "");
+    }
+}
+
+/* The state, made at the first epoch, and the plan for this batch size (made once per batch size and knobs: asking
+ * the GPU what fits takes longer than a short epoch's steps). */
+static int plan_for(mlp *m, int batch_size, FusedState **out) {
+    if (!m->epoch_state) {
+        m->epoch_state = calloc(1, sizeof(FusedState));
+        if (!m->epoch_state) return FAIL(MLP_ERR_ALLOC, "out of memory for level 7's state");
+    }
+    FusedState *state = static_cast<FusedState *>(m->epoch_state);
+    char knobs[sizeof state->plan_knobs];
+    knob_values(knobs, sizeof knobs);
+    if (state->plan_batch != batch_size || strcmp(knobs, state->plan_knobs)) {
+        state->plan_batch = 0;
+        const int status = make_plan(m, batch_size, &state->plan);
+        if (status) return status;
+        state->plan_batch = batch_size;
+        strcpy(state->plan_knobs, knobs);
+    }
+    *out = state;
+    return MLP_OK;
+}
+
+/* The grid's exchange buffer and barrier, grown to this plan's size. */
+static int grid_buffers(mlp *m, FusedState *state, int batch_size) {
+    const size_t exchange = 2 * (size_t)state->plan.blocks * batch_size * m->n_out + (size_t)batch_size * (m->n_out + 1);
+    if (exchange > (size_t)MLP_MAX_ELEMENTS) return FAIL(MLP_ERR_ARG, "exchange buffer of %zu floats", exchange);
+    const int status = ensure_buffer(&state->exchange, &state->exchange_capacity, (int)exchange);
+    if (status) return status;
+    if (!state->barrier) {
+        CUDA_CHECK(device_malloc(&state->barrier, 2 * sizeof(unsigned)));
+        CUDA_CHECK(cudaMemsetAsync(state->barrier, 0, 2 * sizeof(unsigned), m->stream));
+    }
+    return MLP_OK;
+}
 
 /* The hook of common/cuda_mlp.cuh: the steps of this call, fused when they fit. */
 static int train_steps(mlp *m, int n_order, int batch_size, float lr) {
 #ifdef LAB_TODO_DEVICE /* the student edition: a device function above is still its stub (mlp_status.h) */
     return FAIL(MLP_ERR_ARG, "%s", LAB_TODO_DEVICE);
 #endif
-    FusedPlan plan;
-    int status = make_plan(m, batch_size, &plan);
+    FusedState *state = NULL;
+    int status = plan_for(m, batch_size, &state);
     if (status) return status;
+    const FusedPlan &plan = state->plan;
     if (!plan.fused) return queue_steps(m, n_order, batch_size, lr);
-    const size_t exchange = 2 * (size_t)plan.blocks * batch_size * m->n_out + (size_t)batch_size * (m->n_out + 1);
-    if (exchange > (size_t)MLP_MAX_ELEMENTS) return FAIL(MLP_ERR_ARG, "exchange buffer of %zu floats", exchange);
-    status = ensure_buffer(&m->exchange, &m->exchange_capacity, (int)exchange);
-    if (status) return status;
-    if (!m->barrier) {
-        CUDA_CHECK(device_malloc(&m->barrier, 2 * sizeof(unsigned)));
-        CUDA_CHECK(cudaMemsetAsync(m->barrier, 0, 2 * sizeof(unsigned), m->stream));
-    }
     FusedArgs args{};
+    if (!plan.cluster) {
+        status = grid_buffers(m, state, batch_size);
+        if (status) return status;
+        args.exchange = state->exchange, args.barrier = state->barrier;
+    }
     args.w1 = m->w1, args.b1 = m->b1, args.w2 = m->w2, args.b2 = m->b2;
     args.data_x = m->data_x, args.data_y = m->data_y, args.order = m->order;
-    args.losses = m->losses, args.barrier = m->barrier;
-    args.exchange = m->exchange;
-    args.dz_all = m->exchange + 2 * (size_t)plan.blocks * batch_size * m->n_out;
-    args.row_loss = args.dz_all + (size_t)batch_size * m->n_out;
+    args.losses = m->losses;
     args.n_in = m->n_in, args.n_out = m->n_out, args.hidden = m->hidden, args.units = plan.units;
-    args.n_order = n_order, args.batch = batch_size, args.steps = n_order / batch_size + (n_order % batch_size != 0);
-    args.tile_rows = plan.tile_rows, args.x_stride = plan.x_stride, args.two_barriers = plan.two_barriers;
+    args.n_order = n_order, args.batch = batch_size, args.steps = cdiv(n_order, batch_size);
+    args.tile_rows = plan.tile_rows, args.slots = plan.slots, args.keep = plan.keep;
+    args.multicast = plan.multicast, args.two_barriers = plan.two_barriers;
     args.lr = lr;
     void *params[] = {&args};
-    CUDA_CHECK(cudaLaunchCooperativeKernel(kernel_for(plan.padded), plan.blocks, FUSED_THREADS, params, plan.smem,
-                                           m->stream));
+    cudaLaunchAttribute attributes[2];
+    const cudaLaunchConfig_t config = launch_config(plan, m->stream, attributes);
+    CUDA_CHECK(cudaLaunchKernelExC(&config, kernel_for(plan), params));
     CUDA_CHECK(cudaGetLastError());
     return MLP_OK;
 }

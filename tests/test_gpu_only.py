@@ -43,8 +43,9 @@ def test_pytorch_peers_are_level1_step_for_step(peer, mnist):
 
 
 @pytest.mark.parametrize("impl", LEVEL7)
-@pytest.mark.parametrize("hidden, batch, words", [(256, 8, "fused: 32 blocks x 8 units, one barrier"),
-                                                  (1024, 256, "fused: 128 blocks x 8 units, two barriers")])
+@pytest.mark.parametrize("hidden, batch, words", [
+    (256, 8, "fused: a cluster of 16 blocks x 16 units, one barrier per step"),
+    (1024, 256, "fused: a grid of 128 blocks x 8 units, two barriers per step")])
 def test_level7_fuses_the_chapter_and_the_large_setting(factory, hidden, batch, words):
     assert factory(init_params(0, hidden)).plan(batch).startswith(words)
 
@@ -65,11 +66,19 @@ def test_level7_falls_back_with_a_warning_where_the_units_do_not_fit(factory, mn
 
 
 @pytest.mark.parametrize("impl", LEVEL7)
-def test_level7_passes_lockstep_whatever_the_units_per_block(factory, mnist, monkeypatch):
-    """MLP_FUSED_UNITS changes which block owns which unit, and so the order of the logits' sum: another order
-    rounds differently, but every choice must pass lockstep."""
-    X, y = mnist[0][:96], mnist[1][:96]
-    for units in ("1", "4", "16"):
-        monkeypatch.setenv("MLP_FUSED_UNITS", units)
-        in_lockstep(factory, init_params(3, 64), X, y, 1, 8, lr=0.05)
+def test_level7_passes_lockstep_whatever_its_knobs(factory, mnist, monkeypatch):
+    """The knobs change which block owns which unit (MLP_FUSED_UNITS), how the shares travel (MLP_FUSED_EXCHANGE) and
+    which blocks copy a tile of x (MLP_FUSED_MULTICAST), and so the order of the sums: another order rounds
+    differently, but every choice must pass lockstep, at a batch kept whole in shared memory (8) and at one streamed
+    through it in tiles (40, with a partial last batch)."""
+    X, y = mnist[0][:200], mnist[1][:200]
+    for units in ("4", "8", "16"):
+        for exchange, multicast in (("cluster", ""), ("grid", "1"), ("grid", "8")):
+            monkeypatch.setenv("MLP_FUSED_UNITS", units)
+            monkeypatch.setenv("MLP_FUSED_EXCHANGE", exchange)
+            monkeypatch.setenv("MLP_FUSED_MULTICAST", multicast)
+            for batch in (8, 40):
+                assert factory(init_params(3, 64)).plan(batch).startswith("fused")
+                in_lockstep(factory, init_params(3, 64), X[:96] if batch == 8 else X, y[:96] if batch == 8 else y, 1,
+                            batch, lr=0.05)
     assert np.isfinite(factory(init_params(3, 64)).train_epoch(X, y, 8, 0.05)).all()
