@@ -2,8 +2,8 @@
 
     python3 -m level7_fused.phases [--tag h100]      # writes results/<tag>/level7_phases.txt
 
-Builds a measuring variant of the level (nvcc -DFUSED_PROFILE: block 0 reads clock64() between the phases of
-each step, and __syncthreads() first, so each phase ends when the whole block is done with it) into build/,
+Builds a measuring variant of the level (make build/level7_phases.so, -DFUSED_PROFILE: block 0 reads clock64()
+between the phases of each step, and __syncthreads() first, so each phase ends when the whole block is done with it),
 trains one epoch at the chapter's setting and one at the large setting, and writes the cycles per step of each
 phase, in microseconds at the GPU's clock. The extra synchronizations make the measuring build a little slower
 than the real one; its total is printed beside the real level's for comparison.
@@ -21,20 +21,15 @@ from common.levels import ROOT
 from common.model import init_params
 from common.native import NativeMLP, ffi
 
-PHASES = ("start of the step", "forward", "share of the logits", "grid barrier", "softmax and loss",
+PHASES = ("start of the step", "forward", "share of the logits", "the exchange's wait", "softmax and loss",
           "dW2, db2, dh", "dW1 and the updates")
 SETTINGS = {"chapter": (10_000, 8, 256), "large": (60_000, 256, 1024)}
 
 
 def build() -> str:
-    """The measuring variant of level 7, built with the Makefile's flags plus -DFUSED_PROFILE; its path."""
-    out = ROOT / "build" / "level7_phases.so"
-    out.parent.mkdir(exist_ok=True)
-    flags = subprocess.run(["make", "-s", "-p", "-n", "level7"], cwd=ROOT, capture_output=True, text=True).stdout
-    nvflags = next(line.split(":=", 1)[1].split() for line in flags.splitlines() if line.startswith("NVFLAGS :="))
-    subprocess.run(["nvcc", *nvflags, "-DFUSED_PROFILE", "-Icommon", "-o", str(out), "level7_fused/mlp.cu", "-lcublas"],
-                   cwd=ROOT, check=True)
-    return str(out)
+    """The measuring variant of level 7 (make build/level7_phases.so: -DFUSED_PROFILE); its path."""
+    subprocess.run(["make", "-s", "build/level7_phases.so", f"PYTHON={sys.executable}"], cwd=ROOT, check=True)
+    return str(ROOT / "build" / "level7_phases.so")
 
 
 def main() -> int:

@@ -1,4 +1,4 @@
-"""Level 7's figures: which block owns which weights, and the timeline of one step around its grid barrier."""
+"""Level 7's figures: which block owns which weights, and the timeline of one step around its exchange."""
 
 from __future__ import annotations
 
@@ -8,13 +8,16 @@ import numpy as np
 from common.figures import BACKWARD, FORWARD, HIGHLIGHT, MEMORY, MUTED, THREAD, arrow
 
 PHASE_COLORS = {"start of the step": MUTED, "forward": FORWARD, "share of the logits": THREAD,
-                "grid barrier": BACKWARD, "softmax and loss": HIGHLIGHT, "dW2, db2, dh": "#9467bd",
+                "the exchange's wait": BACKWARD, "softmax and loss": HIGHLIGHT, "dW2, db2, dh": "#9467bd",
                 "dW1 and the updates": "#8c564b"}
 
 
+WAIT = "the exchange's wait"
+
+
 def ownership(blocks: int = 16, units: int = 16, hidden: int = 256, n_in: int = 784):
-    """fc1.weight's rows and fc2.weight's columns cut into slices of `units` hidden units, one slice per block, kept in
-    that block's shared memory; the blocks meet only in the exchange buffer of partial logits."""
+    """fc1.weight's rows and fc2.weight's columns cut into slices of `units` hidden units, one slice per block, kept on
+    that block's chip all epoch; the blocks meet only in the exchange of their shares of the logits."""
     fig, ax = plt.subplots(figsize=(9.5, 3.6))
     ax.set_xlim(0, 20.5)
     ax.set_ylim(-0.6, 8.2)
@@ -36,14 +39,14 @@ def ownership(blocks: int = 16, units: int = 16, hidden: int = 256, n_in: int = 
     ax.text(10.55, 6.5, "…", fontsize=12)
     ax.text(18.0, 5.4, f"… block {blocks - 1}", fontsize=8, va="center")
     ax.text(16.0, 6.9, f"{blocks} blocks, {units} units each:\neach block keeps its slices (its colour)\n"
-            "in its shared memory all epoch", ha="center", fontsize=8.5)
+            "on chip all epoch (fc1's rows in registers)", ha="center", fontsize=8.5)
     # The exchange: every block writes its share of the logits, then all read all of them after the barrier.
     ax.add_patch(plt.Rectangle((11.0, 2.0), 7.8, 0.9, facecolor="white", edgecolor=MEMORY))
-    ax.text(14.9, 2.45, "exchange buffer (global memory): each block's share of the logits", ha="center",
+    ax.text(14.9, 2.45, "the exchange: each block's share of the logits, copied to every block", ha="center",
             va="center", fontsize=8)
     for b in range(shown):
         arrow(ax, (11.7 + b * 1.6, 4.85), (11.7 + b * 1.6, 2.95), color=colors[b])
-    ax.text(14.9, 1.2, "grid barrier: no block reads the shares until every block has written its own",
+    ax.text(14.9, 1.2, "no block reads the shares until every block's share has arrived",
             ha="center", fontsize=8.5, color=BACKWARD)
     ax.text(0.5, 0.2, "a unit's forward and backward need only its own weights and the batch; "
             "only the logits z = a W2ᵀ + b2 sum over every unit", fontsize=8, color=MEMORY)
@@ -52,14 +55,14 @@ def ownership(blocks: int = 16, units: int = 16, hidden: int = 256, n_in: int = 
 
 def step_timeline(phases: list[tuple[str, float]], title: str, blocks: int = 4, seed: int = 0):
     """One step of level 7 as a timeline per block: the measured phases of block 0 (microseconds), the other blocks
-    finishing their shares a little earlier or later, and everyone leaving the grid barrier together."""
+    finishing their shares a little earlier or later, and everyone going on once the last share has arrived."""
     rng = np.random.default_rng(seed)
     fig, ax = plt.subplots(figsize=(9, 0.55 * blocks + 1.6))
     durations = dict(phases)
     before = [p for p in phases if p[0] in ("start of the step", "forward", "share of the logits")]
-    after = [p for p in phases if p not in before and p[0] != "grid barrier"]
-    # Block 0's barrier is the measured wait; the other blocks reach the barrier a little earlier or later.
-    release = sum(d for _, d in before) + durations.get("grid barrier", 0)
+    after = [p for p in phases if p not in before and p[0] != WAIT]
+    # Block 0's wait is the measured one; the other blocks send their shares a little earlier or later.
+    release = sum(d for _, d in before) + durations.get(WAIT, 0)
     ready = [sum(d for _, d in before) * (1 + (0 if b == 0 else rng.uniform(-0.15, 0.15))) for b in range(blocks)]
     ready = [min(r, release) for r in ready]
     for b in range(blocks):
@@ -68,7 +71,7 @@ def step_timeline(phases: list[tuple[str, float]], title: str, blocks: int = 4, 
         for name, d in before:
             ax.barh(b, d * scale, left=t, color=PHASE_COLORS.get(name, MUTED), edgecolor="white")
             t += d * scale
-        ax.barh(b, release - t, left=t, color=PHASE_COLORS["grid barrier"], edgecolor="white", alpha=0.6)
+        ax.barh(b, release - t, left=t, color=PHASE_COLORS[WAIT], edgecolor="white", alpha=0.6)
         t = release
         for name, d in after:
             ax.barh(b, d, left=t, color=PHASE_COLORS.get(name, MUTED), edgecolor="white")
