@@ -10,9 +10,6 @@ NVCC    ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>
 CFLAGS  := -O3 -march=native -std=c11 -Wall -Wextra -Wpedantic -Werror -fPIC
 # Fat binary: machine code for A100 (sm_80) and H100/H200 (sm_90), plus PTX that newer GPUs compile at load.
 CUDA_ARCH := -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
-# Level 7 multicasts tiles of x to the blocks of a cluster, an instruction of Hopper's own target (sm_90a); its PTX for
-# newer GPUs leaves the multicast out.
-FUSED_ARCH := -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90a,code=sm_90a -gencode arch=compute_90,code=compute_90
 NVFLAGS = -O3 -std=c++17 $(CUDA_ARCH) -Xcompiler -fPIC,-Wall,-Wextra -Werror all-warnings --shared
 
 .PHONY: all compare bench infer test test-gpu check-memory check-memory-gpu levels level4 level5 level6 level7 lab grade \
@@ -105,8 +102,6 @@ level7_fused/liblenet.so: level7_fused/lenet.cu $(LENET6_SOURCES)
 
 # Level 7's testing and measuring builds: the race stress (tests/test_levels.py), the phase profile
 # (level7_fused/phases.py), the floors of the exchange (level7_fused/floors.py).
-level7_fused/libmlp.so build/level7_stress.so build/level7_phases.so build/level7_floors.so build/lab_level7.so: \
-	CUDA_ARCH := $(FUSED_ARCH)
 build/level7_stress.so: NVFLAGS += -DFUSED_STRESS
 build/level7_phases.so: NVFLAGS += -DFUSED_PROFILE
 build/level7_stress.so build/level7_phases.so: level7_fused/mlp.cu level6_cublas/mlp.cu common/cuda_mlp.cuh \

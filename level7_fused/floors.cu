@@ -106,9 +106,8 @@ static int time_ms(Launch launch, float *ms) {
 static int launch(const void *kernel, bool cluster, int blocks, void **params) {
     FusedPlan plan{};
     plan.cluster = cluster, plan.blocks = blocks, plan.units = FUSED_THREADS / GROUP_LANES * GROUP_UNITS;
-    plan.multicast = 1;
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-    cudaLaunchAttribute attributes[2];
+    cudaLaunchAttribute attributes[1];
     const cudaLaunchConfig_t config = launch_config(plan, 0, attributes);
     CUDA_CHECK(cudaLaunchKernelExC(&config, kernel, params));
     CUDA_CHECK(cudaGetLastError());

@@ -8,7 +8,7 @@
  * reruns are bit-identical. FP32 FMA, no TF32. It needs a Hopper GPU; elsewhere, or where a size does not fit, the
  * epoch runs level 6's kernels (mlp_fused_plan() says which). Everything but the epoch is level 6's, included here.
  * The chapter (level7_fused/chapter.ipynb) walks through the design. Build: make level7.
- * Knobs, for measurements: MLP_FUSED_UNITS=4|8|16, MLP_FUSED_EXCHANGE=cluster|grid, MLP_FUSED_MULTICAST=1|2|4|8.
+ * Knobs, for measurements: MLP_FUSED_UNITS=4|8|16, MLP_FUSED_EXCHANGE=cluster|grid.
  */
 #define LEVEL_TRAINS_ITS_OWN_EPOCH
 #include "../level6_cublas/mlp.cu"
@@ -30,9 +30,7 @@ namespace cg = cooperative_groups;
 #define STREAM_SLOTS 3    /* tiles of x in shared memory at once when the batch streams through, */
 #define STREAM_ROWS 16    /* of 16 rows each (8 rows a tile measured 1.4x slower at batch 256: a cost per tile) */
 #define MAX_CLUSTER 16    /* the largest thread-block cluster (16 is the H100's, beyond the portable 8) */
-#define MAX_MULTICAST 8   /* blocks that share a tile of x in the grid exchange */
 #define MAX_OUT WARP      /* outputs: one lane each in the softmax */
-#define SERIAL_ROWS 32    /* up to this many rows a thread sums a column alone; past it, a warp splits the rows */
 #define LABEL_ROWS 4      /* rows of a batch one thread reads ahead: a batch is at most 4 x the threads */
 #define IMAGE_STEPS 4     /* steps whose image numbers are in shared memory: this one and the next three */
 
@@ -49,7 +47,6 @@ struct FusedArgs {
     int units;                    /* hidden units per block, a multiple of 4 (the last block may own fewer) */
     int n_order, batch, steps;
     int tile_rows, slots, keep;   /* rows of a tile of x (a multiple of 8), tiles held at once, 1: a step is one tile */
-    int multicast;                /* blocks of a cluster that share each tile of x (1: every block copies its own) */
     int two_barriers;             /* grid: blocks split the softmax's rows and hand the dlogits round */
     float lr;
 };
@@ -95,7 +92,7 @@ __device__ int2 owned_units(int g, int units, int hidden) {
 /* ---- Hopper's instructions: a barrier in shared memory (mbarrier), the bulk copy engine, the cluster ----
  * An mbarrier counts arrivals and, for copies, bytes; it completes a phase when both reach zero, then re-arms.
  * Waiting names the phase's parity. A bulk copy (cp.async.bulk) moves whole rows from global into shared memory
- * and adds their bytes to an mbarrier; with .multicast it writes the same place in several blocks of a cluster. */
+ * and adds their bytes to an mbarrier. */
 #if __CUDA_ARCH__ >= 900
 __device__ unsigned smem_address(const void *p) { return (unsigned)__cvta_generic_to_shared(p); }
 
@@ -120,37 +117,12 @@ __device__ void mbarrier_wait(unsigned long long *bar, unsigned parity) {
                      : "memory");
 }
 
-/* Arrive on the barrier at the same place in block `rank` of the cluster, releasing this block's reads before it. */
-__device__ void mbarrier_arrive_at(unsigned long long *bar, unsigned rank) {
-    unsigned remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_address(bar)), "r"(rank));
-    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
-}
-
-/* Arrive on this block's barrier, releasing this block's reads before it. */
-__device__ void mbarrier_arrive(unsigned long long *bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_address(bar)) : "memory");
-}
-
 /* Copy `bytes` of global memory into this block's shared memory, counted by the barrier `bar` when they land. */
 __device__ void bulk_copy(float *dst, const float *src, unsigned bytes, unsigned long long *bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
                      smem_address(dst)),
                  "l"(src), "r"(bytes), "r"(smem_address(bar))
                  : "memory");
-}
-
-/* The same copy into the blocks of the cluster whose bits `blocks` sets, each signalling its own barrier. */
-__device__ void bulk_copy_multicast(float *dst, const float *src, unsigned bytes, unsigned long long *bar,
-                                    unsigned short blocks) {
-#ifndef __CUDA_ARCH_FEAT_SM90_ALL
-    __trap(); /* built for Hopper itself (sm_90a) only: make_plan multicasts on compute capability 9.x alone */
-#else
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
-                 " [%0], [%1], %2, [%3], %4;" ::"r"(smem_address(dst)),
-                 "l"(src), "r"(bytes), "r"(smem_address(bar)), "h"(blocks)
-                 : "memory");
-#endif
 }
 
 /* Copy `bytes` of this block's shared memory to the same place in block `rank` of the cluster, the bytes counted by
@@ -165,8 +137,6 @@ __device__ void bulk_copy_to_block(const float *src, unsigned bytes, unsigned lo
                  "r"(smem_address(src)), "r"(bytes), "r"(remote_bar)
                  : "memory");
 }
-
-__device__ unsigned cluster_rank() { return cg::this_cluster().block_rank(); }
 #endif
 
 /* Every block of the cluster arrives, and each waits for the others: arriving releases this block's writes, waiting
@@ -183,7 +153,7 @@ __device__ void cluster_barrier() {
  * One layout, computed alike on the host (for the launch's size) and on the device (to carve it): offsets in floats,
  * each region a multiple of 16 bytes. Units per block U = groups x 4. */
 struct Layout {
-    int full, empty;        /* (slots) mbarriers of the tiles of x: filled, and freed by every block that shares them */
+    int full;               /* (slots) mbarriers of the tiles of x: filled */
     int arrived;            /* cluster: (2) mbarriers of the shares, by step parity: every block's share has landed */
     int x;                  /* (slots, tile_rows, n_in) tiles of x */
     int part;               /* (2, tile_rows / 8, groups, 4, 32) each warp's sums in the forward, by tile parity */
@@ -210,7 +180,6 @@ __host__ __device__ inline Layout layout(const FusedArgs &a, int groups, int blo
     Layout l;
     int at = 0;
     l.full = take(at, 2 * a.slots); /* an mbarrier is 8 bytes: 2 floats */
-    l.empty = take(at, 2 * a.slots);
     l.arrived = take(at, cluster ? 2 * 2 : 0);
     l.x = take(at, a.slots * a.tile_rows * a.n_in);
     l.part = take(at, 2 * (a.tile_rows / ROW_TILE) * groups * 4 * WARP);
@@ -233,7 +202,7 @@ __host__ __device__ inline Layout layout(const FusedArgs &a, int groups, int blo
 }
 
 struct Shared {
-    unsigned long long *full, *empty, *arrived;
+    unsigned long long *full, *arrived;
     float *x, *part, *h, *dh, *dz, *row_loss, *w2, *gw2, *b1, *gb1, *b2, *gb2, *shares, *sums;
     int *labels, *images;
 };
@@ -241,7 +210,6 @@ struct Shared {
 __device__ Shared carve(float *smem, const Layout &l) {
     Shared s;
     s.full = reinterpret_cast<unsigned long long *>(smem + l.full);
-    s.empty = reinterpret_cast<unsigned long long *>(smem + l.empty);
     s.arrived = reinterpret_cast<unsigned long long *>(smem + l.arrived);
     s.x = smem + l.x, s.part = smem + l.part, s.h = smem + l.h, s.dh = smem + l.dh, s.dz = smem + l.dz;
     s.row_loss = smem + l.row_loss, s.labels = reinterpret_cast<int *>(smem + l.labels);
@@ -288,9 +256,8 @@ __device__ Step step_at(const FusedArgs &a, int index) {
 
 /* ---- the tiles of x: a pipeline of bulk copies ----
  * The tiles come in one order for the whole launch: per step, the forward's tiles, then the same tiles again for dW1
- * (a kept step has one tile, read by both). The producer copies tile n into slot n % slots; everyone waits on that
- * slot's `full` barrier; after its last read, the block frees the slot in every block that shares it (`empty`: with a
- * multicast, another block's copy writes into this block's slot). */
+ * (a kept step has one tile, read by both). Tile n is copied into slot n % slots; everyone waits on that slot's `full`
+ * barrier; once the whole block is done with tile n (a __syncthreads), the block copies tile n + slots into its slot. */
 struct Tile {
     int step, row0, rows; /* rows row0 .. row0 + rows - 1 of step `step`'s batch */
 };
@@ -301,10 +268,10 @@ __device__ int tile_count(const FusedArgs &a) {
     return (a.steps - 1) * tiles_per_step(a, step_at(a, 0)) + tiles_per_step(a, step_at(a, a.steps - 1));
 }
 
-/* The first row of the k-th tile a block reads in a pass over the step's batch. The blocks (the clusters, where a
- * multicast shares tiles) start at different tiles, so that they do not all read the same rows of x at once. */
+/* The first row of the k-th tile a block reads in a pass over the step's batch. The blocks start at different
+ * tiles, so that they do not all read the same rows of x at once. */
 __device__ int tile_row0(const FusedArgs &a, const Step &st, int k) {
-    return (k + blockIdx.x / a.multicast) % st.tiles * a.tile_rows;
+    return (k + blockIdx.x) % st.tiles * a.tile_rows;
 }
 
 __device__ Tile tile_at(const FusedArgs &a, int n) {
@@ -322,40 +289,22 @@ __device__ const float *tile_x(const Shared &s, const FusedArgs &a, int n) {
     return s.x + (size_t)(n % a.slots) * a.tile_rows * a.n_in;
 }
 
-/* Tiles in flight behind the one read: with a multicast, one slot stays out of play, so that the producer rarely
- * waits for a slower block to free the slot it copies into. */
-__device__ int lag(const FusedArgs &a) { return a.multicast > 1 ? 1 : 0; }
-
-/* The producer of the tiles: warp 0, each lane copying one row of a tile; it finds the rows' image numbers (their
- * rows of data_x) in shared memory, read there steps ahead (next_rows). */
-struct Producer {
-    int next; /* the next tile to copy */
-};
-
-/* This lane's row of a tile: with a multicast, each block of the cluster copies every multicast-th row. */
-__device__ int producer_row(const FusedArgs &a) {
-    const int lane = threadIdx.x % WARP;
+/* Copy tile n (if there is one) into its slot: each row of data_x is one bulk copy, sent by lane 0 of a warp, the
+ * warps taking turns (a lone warp sending every row stalled the block for about a microsecond a tile). The rows'
+ * image numbers are in shared memory, read there steps ahead (next_rows). Thread 0's arrival tells the slot's
+ * `full` barrier to expect the whole tile; a copy that lands before it only takes its bytes off the count. */
+__device__ void issue_tile(const Shared &s, const FusedArgs &a, int n, int total) {
 #if __CUDA_ARCH__ >= 900
-    if (a.multicast > 1) return cluster_rank() + lane * a.multicast;
-#endif
-    return lane;
-}
-
-/* Warp 0: copy tile p.next into its slot, once every block that shares the slot has freed it; each block's `full`
- * expects the whole tile. */
-__device__ void issue_tile(const Shared &s, const FusedArgs &a, Producer &p, int total) {
-#if __CUDA_ARCH__ >= 900
-    if (p.next >= total) return;
-    const int n = p.next++, slot = n % a.slots, use = n / a.slots, r = producer_row(a);
-    if (use > 0) mbarrier_wait(&s.empty[slot], (use - 1) % 2);
+    if (n >= total) return;
     const Tile tile = tile_at(a, n);
     const unsigned row_bytes = a.n_in * sizeof(float);
-    if (threadIdx.x == 0) mbarrier_expect_bytes(&s.full[slot], tile.rows * row_bytes);
-    if (r < tile.rows) {
+    unsigned long long *full = &s.full[n % a.slots];
+    if (threadIdx.x == 0) mbarrier_expect_bytes(full, tile.rows * row_bytes);
+    if (threadIdx.x % WARP) return;
+    for (int r = threadIdx.x / WARP; r < tile.rows; r += blockDim.x / WARP) {
         float *row = const_cast<float *>(tile_x(s, a, n)) + r * a.n_in;
-        const float *src = a.data_x + (size_t)s.images[tile.step % IMAGE_STEPS * a.batch + tile.row0 + r] * a.n_in;
-        if (a.multicast > 1) bulk_copy_multicast(row, src, row_bytes, &s.full[slot], (1u << a.multicast) - 1);
-        else bulk_copy(row, src, row_bytes, &s.full[slot]);
+        bulk_copy(row, a.data_x + (size_t)s.images[tile.step % IMAGE_STEPS * a.batch + tile.row0 + r] * a.n_in, row_bytes,
+                  full);
     }
 #endif
 }
@@ -366,38 +315,29 @@ __device__ void wait_tile(const Shared &s, const FusedArgs &a, int n) {
 #endif
 }
 
-/* After the block's last read of tile n, behind a __syncthreads: free its slot in every block that shares it, and
- * copy the next tile (the one `slots - lag` later). */
-__device__ void release_tile(const Shared &s, const FusedArgs &a, int n, Producer &p, int total) {
+/* After the block's last read of tile n, behind a __syncthreads: its slot is free, for tile n + slots. The fence
+ * orders the block's reads of the slot before the copy engine's writes (another proxy, in the PTX's words). */
+__device__ void release_tile(const Shared &s, const FusedArgs &a, int n, int total) {
 #if __CUDA_ARCH__ >= 900
-    if (threadIdx.x >= WARP) return;
-    if (a.multicast > 1 && threadIdx.x < a.multicast) mbarrier_arrive_at(&s.empty[n % a.slots], threadIdx.x);
-    if (a.multicast == 1 && threadIdx.x == 0) mbarrier_arrive(&s.empty[n % a.slots]);
-    __syncwarp();
-    issue_tile(s, a, p, total);
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    issue_tile(s, a, n + a.slots, total);
 #endif
 }
 
 /* Before the first tile: the barriers (the shares' too, in a cluster), made visible to the cluster; the first copies. */
 template <bool CLUSTER>
-__device__ Producer start_tiles(const Shared &s, const FusedArgs &a, int total, bool in_cluster) {
-    Producer p{0};
+__device__ void start_tiles(const Shared &s, const FusedArgs &a, int total) {
 #if __CUDA_ARCH__ >= 900
     if (threadIdx.x == 0) {
-        for (int slot = 0; slot < a.slots; slot++) {
-            mbarrier_init(&s.full[slot], 1);
-            mbarrier_init(&s.empty[slot], a.multicast);
-        }
+        for (int slot = 0; slot < a.slots; slot++) mbarrier_init(&s.full[slot], 1);
         if (CLUSTER)
             for (int half = 0; half < 2; half++) mbarrier_init(&s.arrived[half], 1); /* its own arrival, and bytes */
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
-    if (in_cluster) cluster_barrier(); /* every block has started before any copies into another */
+    if (CLUSTER) cluster_barrier(); /* every block has started before any copies into another */
     else __syncthreads();
-    if (threadIdx.x < WARP)
-        for (int n = 0; n < a.slots - lag(a); n++) issue_tile(s, a, p, total);
+    for (int n = 0; n < a.slots; n++) issue_tile(s, a, n, total);
 #endif
-    return p;
 }
 
 #ifdef FUSED_STRESS
@@ -575,7 +515,7 @@ __device__ float reduce_scatter(float (&v)[WARP], int lane) {
  * warp order, plus the bias, are h. n: the step's first tile; past its forward tiles on return (a kept tile stays). */
 template <int GROUPS>
 __device__ void forward(const Shared &s, const FusedArgs &a, const Step &st, const float4 (&w)[COLUMNS][GROUP_UNITS],
-                        const Thread &t, int &n, Producer &p, int total) {
+                        const Thread &t, int &n, int total) {
     constexpr int U = GROUPS * GROUP_UNITS;
     const int groups_of_rows = a.tile_rows / ROW_TILE, lane = threadIdx.x % WARP;
     for (int k = 0; k < st.tiles; k++) {
@@ -589,7 +529,7 @@ __device__ void forward(const Shared &s, const FusedArgs &a, const Step &st, con
             part[((rg * GROUPS + t.group) * 4 + t.warp) * WARP + lane] = reduce_scatter(acc, lane);
         }
         __syncthreads();
-        if (!a.keep) release_tile(s, a, tile, p, total);
+        if (!a.keep) release_tile(s, a, tile, total);
         for (int i = threadIdx.x; i < rows * U; i += blockDim.x) { /* lane l of a warp summed row l / 4, unit l % 4 */
             const int r = i / U, u = i % U;
             const float *p = part + (((r / ROW_TILE) * GROUPS + u / GROUP_UNITS) * 4) * WARP +
@@ -737,26 +677,34 @@ __device__ void record_loss(const Shared &s, const FusedArgs &a, const Step &st)
     if (threadIdx.x == 0) a.losses[st.index] = (float)(total / st.rows);
 }
 
-/* The sum over the step's rows of f(r), in a fixed order, for item `item` of `items`: a thread an item when the rows
- * are few, else a warp an item, its lanes splitting the rows. Calls out(item, sum) once per item. */
-template <typename Term, typename Out>
-__device__ void sum_over_rows(int items, int rows, Term f, Out out) {
-    if (rows <= SERIAL_ROWS) {
-        for (int item = threadIdx.x; item < items; item += blockDim.x) {
-            float sum = 0.0f;
-#pragma unroll 8
-            for (int r = 0; r < rows; r++) sum += f(item, r);
-            out(item, sum);
+/* The backward's sums over the step's rows, in a fixed order, for output o < n_out, or (o == n_out) db1:
+ *   o < n_out:  dW2 (o, u) = sum of dlogits[r, o] * relu(h[r, u]) for every unit u, and db2 (o) = sum of dlogits[r, o];
+ *   o == n_out: db1 (u) = sum of dh[r, u].
+ * A warp an o: lane l takes unit l % U of rows l / U, l / U + 32 / U, ..., so the warp reads 32 neighbouring floats
+ * of h (a bank each: lanes striding over rows of h would queue on the same banks), then adds the rows' lanes by a
+ * fixed tree. Returns lane l's sum for unit l (lanes below U); *bias gets db2 (o). */
+template <int U>
+__device__ float sum_over_rows(const Shared &s, const FusedArgs &a, int rows, int o, float *bias) {
+    static_assert(WARP % U == 0, "a warp holds whole rows of units");
+    const int lane = threadIdx.x % WARP, u = lane % U, O = a.n_out;
+    float sum = 0.0f, dz_sum = 0.0f;
+#pragma unroll 4
+    for (int r = lane / U; r < rows; r += WARP / U) {
+        if (o < O) {
+            const float dz = s.dz[r * O + o];
+            sum = fmaf(dz, fmaxf(s.h[r * U + u], 0.0f), sum);
+            dz_sum += dz;
+        } else {
+            sum += s.dh[r * U + u];
         }
-        return;
     }
-    const int lane = threadIdx.x % WARP;
-    for (int item = threadIdx.x / WARP; item < items; item += blockDim.x / WARP) {
-        float sum = 0.0f;
-        for (int r = lane; r < rows; r += WARP) sum += f(item, r);
-        sum = warp_sum(sum);
-        if (lane == 0) out(item, sum);
+#pragma unroll
+    for (int offset = U; offset < WARP; offset *= 2) {
+        sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+        dz_sum += __shfl_xor_sync(0xffffffffu, dz_sum, offset);
     }
+    *bias = dz_sum;
+    return sum;
 }
 
 /* The backward's small products, then the update of what is small (the weights before it fed dh):
@@ -764,14 +712,14 @@ __device__ void sum_over_rows(int items, int rows, Term f, Out out) {
  *   dh (r, u) = (dlogits W2)[r, u] where h > 0, else 0;  db1 (u) = sum over rows of dh[r, u]. */
 template <int U>
 __device__ void backward_small(const Shared &s, const FusedArgs &a, const Step &st) {
-    const int O = a.n_out, rows = st.rows;
-    sum_over_rows(
-        O * U + O, rows,
-        [&](int item, int r) {
-            return item < O * U ? s.dz[r * O + item / U] * fmaxf(s.h[r * U + item % U], 0.0f) : s.dz[r * O + item - O * U];
-        },
-        [&](int item, float sum) { (item < O * U ? s.gw2[item] : s.gb2[item - O * U]) = sum; });
-    for (int i = threadIdx.x; i < rows * U; i += blockDim.x) {
+    const int O = a.n_out, lane = threadIdx.x % WARP, warps = blockDim.x / WARP;
+    for (int o = threadIdx.x / WARP; o < O; o += warps) {
+        float db2;
+        const float dw2 = sum_over_rows<U>(s, a, st.rows, o, &db2);
+        if (lane < U) s.gw2[o * U + lane] = dw2;
+        if (lane == 0) s.gb2[o] = db2;
+    }
+    for (int i = threadIdx.x; i < st.rows * U; i += blockDim.x) {
         const int r = i / U, u = i % U;
         float da = 0.0f;
 #pragma unroll 4
@@ -779,9 +727,11 @@ __device__ void backward_small(const Shared &s, const FusedArgs &a, const Step &
         s.dh[i] = s.h[i] > 0.0f ? da : 0.0f;
     }
     __syncthreads();
-    sum_over_rows(
-        U, rows, [&](int u, int r) { return s.dh[r * U + u]; },
-        [&](int u, float sum) { s.b1[u] = fmaf(-a.lr, sum, s.b1[u]); });
+    if (threadIdx.x / WARP == O % warps) { /* db1: the warp after the last dW2's, often idle until now */
+        float unused;
+        const float db1 = sum_over_rows<U>(s, a, st.rows, O, &unused);
+        if (lane < U) s.b1[lane] = fmaf(-a.lr, db1, s.b1[lane]);
+    }
     for (int i = threadIdx.x; i < O * U; i += blockDim.x) s.w2[i] = fmaf(-a.lr, s.gw2[i], s.w2[i]);
     for (int o = threadIdx.x; o < O; o += blockDim.x) s.b2[o] = fmaf(-a.lr, s.gb2[o], s.b2[o]);
 }
@@ -790,7 +740,7 @@ __device__ void backward_small(const Shared &s, const FusedArgs &a, const Step &
  * of x (a kept tile is still there); then W1 -= lr dW1, in registers. n: past the step's tiles on return. */
 template <int GROUPS>
 __device__ void dw1_and_update(const Shared &s, const FusedArgs &a, const Step &st, float4 (&w)[COLUMNS][GROUP_UNITS],
-                               const Thread &t, int &n, Producer &p, int total) {
+                               const Thread &t, int &n, int total) {
     constexpr int U = GROUPS * GROUP_UNITS;
     float4 grad[COLUMNS][GROUP_UNITS];
 #pragma unroll
@@ -820,7 +770,7 @@ __device__ void dw1_and_update(const Shared &s, const FusedArgs &a, const Step &
         }
         stress_pause(st, 2);
         __syncthreads(); /* the whole block is done with the tile */
-        release_tile(s, a, tile, p, total);
+        release_tile(s, a, tile, total);
     }
     n += st.tiles;
 #pragma unroll
@@ -844,19 +794,18 @@ __global__ void __launch_bounds__(GROUPS *GROUP_LANES, 1) fused_epoch_kernel(con
     const Shared s = carve(reinterpret_cast<float *>(smem4), layout(a, GROUPS, gridDim.x, CLUSTER));
     const Thread t = this_thread(a);
     const int2 own = owned_units(blockIdx.x, a.units, a.hidden);
-    const bool in_cluster = CLUSTER || a.multicast > 1;
     float4 w[COLUMNS][GROUP_UNITS]; /* this thread's part of fc1.weight, for the whole launch */
     load_owned(w, s, a, t, own, U);
     const int total = tile_count(a);
     Rows rows = start_rows(s, a); /* before the first copies, which read the image numbers */
-    Producer p = start_tiles<CLUSTER>(s, a, total, in_cluster);
+    start_tiles<CLUSTER>(s, a, total);
     int n = 0; /* the next tile of x to read */
     PhaseClock clock{clock64(), {}}; /* read by the measuring build only */
     for (int index = 0; index < a.steps; index++) {
         const Step st = step_at(a, index);
         next_rows(s, a, st, rows);
         phase_done(clock, 0);
-        forward<GROUPS>(s, a, st, w, t, n, p, total);
+        forward<GROUPS>(s, a, st, w, t, n, total);
         phase_done(clock, 1);
         stress_pause(st, 0);
         share_of_logits<CLUSTER, U>(s, a, st);
@@ -869,12 +818,12 @@ __global__ void __launch_bounds__(GROUPS *GROUP_LANES, 1) fused_epoch_kernel(con
         phase_done(clock, 4);
         backward_small<U>(s, a, st);
         phase_done(clock, 5);
-        dw1_and_update<GROUPS>(s, a, st, w, t, n, p, total);
+        dw1_and_update<GROUPS>(s, a, st, w, t, n, total);
         phase_done(clock, 6);
     }
     store_owned(w, s, a, t, own, U);
     phases_recorded(clock);
-    if (in_cluster) cluster_barrier(); /* no block leaves while another may still write into its memory */
+    if (CLUSTER) cluster_barrier(); /* no block leaves while another may still write into its memory */
 #else
     __trap(); /* make_plan fuses on compute capability 9.0 and up only */
 #endif
@@ -886,7 +835,7 @@ struct FusedPlan {
     int fused;         /* 1: the fused kernel; 0: level 6's queued kernels */
     int cluster;       /* 1: one thread-block cluster; 0: a cooperative grid */
     int blocks, units; /* G blocks of U units (4 x groups) */
-    int tile_rows, slots, keep, multicast, two_barriers;
+    int tile_rows, slots, keep, two_barriers;
     size_t smem;       /* bytes of dynamic shared memory per block */
     char why[200];     /* for mlp_fused_plan */
 };
@@ -905,7 +854,7 @@ static const void *kernel_for(const FusedPlan &plan) {
     return plan.cluster ? kernel_for<true>(plan.units) : kernel_for<false>(plan.units);
 }
 
-/* The launch of the plan's kernel: one cluster of all the blocks; or a cooperative grid, in clusters of `multicast`. */
+/* The launch of the plan's kernel: one cluster of all the blocks, or a cooperative grid. */
 static cudaLaunchConfig_t launch_config(const FusedPlan &plan, cudaStream_t stream, cudaLaunchAttribute *attributes) {
     cudaLaunchConfig_t config = {};
     config.gridDim = dim3(plan.blocks);
@@ -913,13 +862,12 @@ static cudaLaunchConfig_t launch_config(const FusedPlan &plan, cudaStream_t stre
     config.dynamicSmemBytes = plan.smem;
     config.stream = stream;
     config.attrs = attributes;
-    if (!plan.cluster) {
+    if (plan.cluster) {
+        attributes[config.numAttrs].id = cudaLaunchAttributeClusterDimension;
+        attributes[config.numAttrs++].val.clusterDim = {(unsigned)plan.blocks, 1, 1};
+    } else {
         attributes[config.numAttrs].id = cudaLaunchAttributeCooperative;
         attributes[config.numAttrs++].val.cooperative = 1;
-    }
-    if (plan.cluster || plan.multicast > 1) {
-        attributes[config.numAttrs].id = cudaLaunchAttributeClusterDimension;
-        attributes[config.numAttrs++].val.clusterDim = {(unsigned)(plan.cluster ? plan.blocks : plan.multicast), 1, 1};
     }
     return config;
 }
@@ -929,14 +877,13 @@ static int fits(const FusedPlan &plan, cudaStream_t stream, int sms, const char 
     const void *kernel = kernel_for(plan);
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)plan.smem));
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-    cudaLaunchAttribute attributes[2];
+    cudaLaunchAttribute attributes[1];
     const cudaLaunchConfig_t config = launch_config(plan, stream, attributes);
-    if (plan.cluster || plan.multicast > 1) {
+    if (plan.cluster) {
         int clusters = 0;
         const cudaError_t err = cudaOccupancyMaxActiveClusters(&clusters, kernel, &config);
         if (err != cudaSuccess) (void)cudaGetLastError(); /* a size this GPU refuses: not a failure, a "no" */
-        const int needed = plan.cluster ? 1 : plan.blocks / plan.multicast;
-        if (err != cudaSuccess || clusters < needed) *why = "its clusters do not all fit on the GPU at once";
+        if (err != cudaSuccess || clusters < 1) *why = "its cluster does not fit on the GPU";
     } else {
         int per_sm = 0;
         CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, (int)config.blockDim.x, plan.smem));
@@ -945,39 +892,19 @@ static int fits(const FusedPlan &plan, cudaStream_t stream, int sms, const char 
     return MLP_OK;
 }
 
-/* Can this GPU launch a cooperative grid in clusters (the grid exchange with a multicast)? Asked once, by a launch. */
-__global__ void cooperative_cluster_probe() {}
-
-static int cooperative_clusters() {
-    static int answer = -1;
-    if (answer < 0) {
-        cudaLaunchAttribute attributes[2];
-        attributes[0].id = cudaLaunchAttributeCooperative, attributes[0].val.cooperative = 1;
-        attributes[1].id = cudaLaunchAttributeClusterDimension, attributes[1].val.clusterDim = {2, 1, 1};
-        cudaLaunchConfig_t config = {};
-        config.gridDim = dim3(2), config.blockDim = dim3(WARP), config.attrs = attributes, config.numAttrs = 2;
-        const cudaError_t err = cudaLaunchKernelEx(&config, cooperative_cluster_probe);
-        const cudaError_t done = err == cudaSuccess ? cudaDeviceSynchronize() : err;
-        if (done != cudaSuccess) (void)cudaGetLastError();
-        answer = done == cudaSuccess;
-    }
-    return answer;
-}
-
 static int knob(const char *name, int otherwise) {
     const char *value = getenv(name);
     return value && atoi(value) > 0 ? atoi(value) : otherwise;
 }
 
 /* Sizes, tiles and shared memory of a plan of `units` per block, in one cluster or a grid. */
-static void lay_out(FusedPlan *plan, const mlp *m, int batch, int units, int cluster, int multicast) {
+static void lay_out(FusedPlan *plan, const mlp *m, int batch, int units, int cluster) {
     plan->cluster = cluster;
     plan->units = units;
     plan->blocks = cdiv(m->hidden, units);
     plan->keep = batch <= KEEP_ROWS;
     plan->tile_rows = plan->keep ? cdiv(batch, ROW_TILE) * ROW_TILE : STREAM_ROWS;
-    plan->multicast = cluster ? 1 : multicast;
-    plan->slots = (plan->keep ? 2 : STREAM_SLOTS) + (plan->multicast > 1); /* one more for the lag (lag()) */
+    plan->slots = plan->keep ? 2 : STREAM_SLOTS;
     plan->two_barriers = !cluster && (size_t)plan->blocks * batch > 4096; /* all blocks reading G x B shares: too many */
     FusedArgs sizes{};
     sizes.n_in = m->n_in, sizes.n_out = m->n_out, sizes.batch = batch;
@@ -986,13 +913,11 @@ static void lay_out(FusedPlan *plan, const mlp *m, int batch, int units, int clu
 }
 
 /* Lays out a plan and says why it cannot run (NULL: it can). */
-static int try_plan(FusedPlan *plan, mlp *m, int batch, int units, int cluster, int multicast, int sms, int optin,
-                    const char **no) {
+static int try_plan(FusedPlan *plan, mlp *m, int batch, int units, int cluster, int sms, int optin, const char **no) {
     *no = NULL;
-    lay_out(plan, m, batch, units, cluster, multicast);
+    lay_out(plan, m, batch, units, cluster);
     if (plan->smem > (size_t)optin) *no = "the batch does not fit in shared memory";
     else if (batch > LABEL_ROWS * units / GROUP_UNITS * GROUP_LANES) *no = "the batch is more than 4 rows a thread";
-    else if (plan->blocks % plan->multicast) *no = "its blocks do not fill whole clusters";
     else return fits(*plan, m->stream, sms, no);
     return MLP_OK;
 }
@@ -1017,17 +942,12 @@ static int make_plan(mlp *m, int batch, FusedPlan *plan) {
     bool done = no != NULL;
     if (!done && !(exchange && !strcmp(exchange, "grid")) && batch <= KEEP_ROWS &&
         cdiv(m->hidden, units ? units : 16) <= MAX_CLUSTER) {
-        status = try_plan(plan, m, batch, units ? units : 16, 1, 1, sms, optin, &no);
+        status = try_plan(plan, m, batch, units ? units : 16, 1, sms, optin, &no);
         done = !no;
     }
     if (!done && !status) {
         const int grid_units = units ? units : (cdiv(m->hidden, 8) <= sms ? 8 : 16);
-        int multicast = knob("MLP_FUSED_MULTICAST", MAX_MULTICAST);
-        if (multicast > MAX_MULTICAST || major != 9 || !cooperative_clusters()) multicast = 1; /* sm_90a's alone */
-        for (; !status; multicast /= 2) {
-            status = try_plan(plan, m, batch, grid_units, 0, multicast, sms, optin, &no);
-            if (!no || multicast <= 1) break;
-        }
+        status = try_plan(plan, m, batch, grid_units, 0, sms, optin, &no);
     }
     if (status) return status;
     plan->fused = !no;
@@ -1040,9 +960,8 @@ static int make_plan(mlp *m, int batch, FusedPlan *plan) {
                  plan->blocks, plan->units, plan->smem);
     else
         snprintf(plan->why, sizeof plan->why,
-                 "fused: a grid of %d blocks x %d units, %s per step, x shared by %d block%s, %zu bytes of shared memory",
-                 plan->blocks, plan->units, plan->two_barriers ? "two barriers" : "one barrier", plan->multicast,
-                 plan->multicast > 1 ? "s" : "", plan->smem);
+                 "fused: a grid of %d blocks x %d units, %s per step, %zu bytes of shared memory", plan->blocks,
+                 plan->units, plan->two_barriers ? "two barriers" : "one barrier", plan->smem);
     return MLP_OK;
 }
 
@@ -1069,7 +988,7 @@ static int free_epoch_state(mlp *m) {
 
 /* The knobs as they are now, one string. */
 static void knob_values(char *out, size_t size) {
-    const char *names[] = {"MLP_FUSED_UNITS", "MLP_FUSED_EXCHANGE", "MLP_FUSED_MULTICAST"};
+    const char *names[] = {"MLP_FUSED_UNITS", "MLP_FUSED_EXCHANGE"};
     out[0] = 0;
     for (const char *name : names) {
         const char *value = getenv(name);
@@ -1133,10 +1052,10 @@ static int train_steps(mlp *m, int n_order, int batch_size, float lr) {
     args.n_in = m->n_in, args.n_out = m->n_out, args.hidden = m->hidden, args.units = plan.units;
     args.n_order = n_order, args.batch = batch_size, args.steps = cdiv(n_order, batch_size);
     args.tile_rows = plan.tile_rows, args.slots = plan.slots, args.keep = plan.keep;
-    args.multicast = plan.multicast, args.two_barriers = plan.two_barriers;
+    args.two_barriers = plan.two_barriers;
     args.lr = lr;
     void *params[] = {&args};
-    cudaLaunchAttribute attributes[2];
+    cudaLaunchAttribute attributes[1];
     const cudaLaunchConfig_t config = launch_config(plan, m->stream, attributes);
     CUDA_CHECK(cudaLaunchKernelExC(&config, kernel_for(plan), params));
     CUDA_CHECK(cudaGetLastError());

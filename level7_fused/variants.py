@@ -23,13 +23,11 @@ from common.model import init_params
 
 # setting: (images, batch, hidden, variants); a variant is the knobs it sets (level7_fused/mlp.cu's opening comment)
 SETTINGS = {
-    "chapter": (10_000, 8, 256, [{}, {"MLP_FUSED_UNITS": "8"}, {"MLP_FUSED_EXCHANGE": "grid"},
-                                 {"MLP_FUSED_EXCHANGE": "grid", "MLP_FUSED_MULTICAST": "1"}]),
-    "large-b64": (60_000, 64, 1024, [{}, {"MLP_FUSED_MULTICAST": "1"}, {"MLP_FUSED_UNITS": "16"}]),
-    "large-b256": (60_000, 256, 1024, [{}, {"MLP_FUSED_MULTICAST": "1"}, {"MLP_FUSED_MULTICAST": "4"},
-                                       {"MLP_FUSED_UNITS": "16"}]),
+    "chapter": (10_000, 8, 256, [{}, {"MLP_FUSED_UNITS": "8"}, {"MLP_FUSED_EXCHANGE": "grid"}]),
+    "large-b64": (60_000, 64, 1024, [{}, {"MLP_FUSED_UNITS": "16"}]),
+    "large-b256": (60_000, 256, 1024, [{}, {"MLP_FUSED_UNITS": "16"}]),
 }
-KNOBS = ("MLP_FUSED_UNITS", "MLP_FUSED_EXCHANGE", "MLP_FUSED_MULTICAST")
+KNOBS = ("MLP_FUSED_UNITS", "MLP_FUSED_EXCHANGE")
 FIRST_STEPS = 20  # losses compared with level 6's over these, before float32's rounding lets two runs part
 
 

@@ -67,16 +67,14 @@ def test_level7_falls_back_with_a_warning_where_the_units_do_not_fit(factory, mn
 
 @pytest.mark.parametrize("impl", LEVEL7)
 def test_level7_passes_lockstep_whatever_its_knobs(factory, mnist, monkeypatch):
-    """The knobs change which block owns which unit (MLP_FUSED_UNITS), how the shares travel (MLP_FUSED_EXCHANGE) and
-    which blocks copy a tile of x (MLP_FUSED_MULTICAST), and so the order of the sums: another order rounds
-    differently, but every choice must pass lockstep, at a batch kept whole in shared memory (8) and at one streamed
-    through it in tiles (40, with a partial last batch)."""
+    """The knobs change which block owns which unit (MLP_FUSED_UNITS) and how the shares travel (MLP_FUSED_EXCHANGE),
+    and so the order of the sums: another order rounds differently, but every choice must pass lockstep, at a batch
+    kept whole in shared memory (8) and at one streamed through it in tiles (40, with a partial last batch)."""
     X, y = mnist[0][:200], mnist[1][:200]
     for units in ("4", "8", "16"):
-        for exchange, multicast in (("cluster", ""), ("grid", "1"), ("grid", "8")):
+        for exchange in ("cluster", "grid"):
             monkeypatch.setenv("MLP_FUSED_UNITS", units)
             monkeypatch.setenv("MLP_FUSED_EXCHANGE", exchange)
-            monkeypatch.setenv("MLP_FUSED_MULTICAST", multicast)
             for batch in (8, 40):
                 assert factory(init_params(3, 64)).plan(batch).startswith("fused")
                 in_lockstep(factory, init_params(3, 64), X[:96] if batch == 8 else X, y[:96] if batch == 8 else y, 1,
