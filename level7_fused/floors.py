@@ -19,6 +19,7 @@ import sys
 from cffi import FFI
 
 from common.levels import ROOT
+from level7_fused import results
 
 ROUNDS = 20_000
 GRIDS = (16, 32, 128)  # blocks of a cooperative grid
@@ -57,10 +58,8 @@ def main() -> int:
     for c in CLUSTERS:
         trip = sorted(measured(lib.floor_round_trip(c, ROUNDS, out)) for _ in range(5))[2]
         lines.append(f"  shared-memory round trip, block 0 <-> block {c - 1} of a cluster of {c}: {trip:.3f} us")
-    folder = ROOT / "results" / args.tag
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "level7_floors.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    print(f"wrote {results.write(args.tag, 'level7_floors.txt', lines)}")
     return 0
 
 

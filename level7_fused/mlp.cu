@@ -427,8 +427,8 @@ __device__ void store_owned(const float4 (&w)[COLUMNS][GROUP_UNITS], const Share
 /* ---- the phases of a step ---- */
 
 /* The batch's rows, read ahead, so that no read of global memory (about a microsecond each) stands in a step's way:
- * the image numbers of a step (its rows of data_x) three steps ahead, into shared memory, where the tiles' producer
- * finds them; the labels one step ahead, in registers. Thread t keeps rows t, t + threads, ... of every batch. */
+ * the image numbers of a step (its rows of data_x) three steps ahead, into shared memory, where issue_tile finds
+ * them; the labels one step ahead, in registers. Thread t keeps rows t, t + threads, ... of every batch. */
 struct Rows {
     int label[LABEL_ROWS]; /* of the next step's rows */
     int image[LABEL_ROWS]; /* of the rows of the step three ahead */
@@ -1057,6 +1057,8 @@ static int train_steps(mlp *m, int n_order, int batch_size, float lr) {
     void *params[] = {&args};
     cudaLaunchAttribute attributes[1];
     const cudaLaunchConfig_t config = launch_config(plan, m->stream, attributes);
+    /* The kernel's shared memory allowance is the GPU's, not the model's: another model's plan may have set it since. */
+    CUDA_CHECK(cudaFuncSetAttribute(kernel_for(plan), cudaFuncAttributeMaxDynamicSharedMemorySize, (int)plan.smem));
     CUDA_CHECK(cudaLaunchKernelExC(&config, kernel_for(plan), params));
     CUDA_CHECK(cudaGetLastError());
     return MLP_OK;
@@ -1074,9 +1076,12 @@ extern "C" int mlp_fused_cycles(unsigned long long *out) {
 #endif
 
 /* How an epoch with this batch size runs on this model and GPU: "fused: ..." or why not (level 7 only;
- * the Python side warns when it is not fused). The text lives in a buffer of the calling thread. */
+ * the Python side warns when it is not fused). The plan is the one train_steps uses (plan_for: made once per batch
+ * size and knobs); its text is copied into a buffer of the calling thread. */
 extern "C" const char *mlp_fused_plan(mlp *m, int batch_size) {
-    static MLP_THREAD_LOCAL FusedPlan plan;
-    if (!m || batch_size < 1 || make_plan(m, batch_size, &plan)) return "no plan: bad arguments or a CUDA error";
-    return plan.why;
+    static MLP_THREAD_LOCAL char why[sizeof FusedPlan{}.why];
+    FusedState *state = NULL;
+    if (!m || batch_size < 1 || plan_for(m, batch_size, &state)) return "no plan: bad arguments or a CUDA error";
+    memcpy(why, state->plan.why, sizeof why);
+    return why;
 }

@@ -20,6 +20,7 @@ from common.data import load_mnist, normalize
 from common.levels import ROOT
 from common.model import init_params
 from common.native import NativeMLP, ffi
+from level7_fused import results
 
 PHASES = ("start of the step", "forward", "share of the logits", "the exchange's wait", "softmax and loss",
           "dW2, db2, dh", "dW1 and the updates")
@@ -65,10 +66,8 @@ def main() -> int:
                      + ", ".join(f"{k} {s / steps * 1e6:.2f} us/step" for k, s in seconds.items()))
         for i, phase in enumerate(PHASES):
             lines.append(f"  {phase:<22}{cycles[i] / steps / (clock_ghz * 1e3):8.2f} us")
-    folder = ROOT / "results" / args.tag
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "level7_phases.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    print(f"wrote {results.write(args.tag, 'level7_phases.txt', lines)}")
     return 0
 
 

@@ -18,8 +18,8 @@ import time
 import numpy as np
 
 from common.data import load_mnist, normalize
-from common.levels import ROOT
 from common.model import init_params
+from level7_fused import results
 
 # setting: (images, batch, hidden, variants); a variant is the knobs it sets (level7_fused/mlp.cu's opening comment)
 SETTINGS = {
@@ -74,10 +74,7 @@ def main() -> int:
             print(lines[-1], flush=True)
     for knob in KNOBS:
         os.environ.pop(knob, None)
-    folder = ROOT / "results" / args.tag
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "level7_variants.txt").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    print(f"wrote {results.write(args.tag, 'level7_variants.txt', lines)}")
     return 0
 
 

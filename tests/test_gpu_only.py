@@ -66,6 +66,19 @@ def test_level7_falls_back_with_a_warning_where_the_units_do_not_fit(factory, mn
 
 
 @pytest.mark.parametrize("impl", LEVEL7)
+def test_level7_models_of_other_batch_sizes_take_turns(factory, mnist):
+    """Each model keeps its plan, but a kernel's shared memory allowance belongs to the GPU: a model planned for
+    batch 256 must still launch after another model has planned the same kernel for batch 64 (less memory)."""
+    X, y = mnist[0][:1024], mnist[1][:1024]
+    params = init_params(0, 1024)
+    expected = factory(params).train_epoch(X, y, 256, 0.05)
+    large = factory(params)
+    assert large.plan(256).startswith("fused: a grid of 128 blocks x 8 units")
+    assert factory(params).plan(64).startswith("fused: a grid of 128 blocks x 8 units")  # the same kernel, less memory
+    np.testing.assert_array_equal(large.train_epoch(X, y, 256, 0.05), expected)
+
+
+@pytest.mark.parametrize("impl", LEVEL7)
 def test_level7_passes_lockstep_whatever_its_knobs(factory, mnist, monkeypatch):
     """The knobs change which block owns which unit (MLP_FUSED_UNITS) and how the shares travel (MLP_FUSED_EXCHANGE),
     and so the order of the sums: another order rounds differently, but every choice must pass lockstep, at a batch

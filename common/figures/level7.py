@@ -42,7 +42,7 @@ def ownership(blocks: int = 16, units: int = 16, hidden: int = 256, n_in: int = 
             "on chip all epoch (fc1's rows in registers)", ha="center", fontsize=8.5)
     # The exchange: every block writes its share of the logits, then all read all of them after the barrier.
     ax.add_patch(plt.Rectangle((11.0, 2.0), 7.8, 0.9, facecolor="white", edgecolor=MEMORY))
-    ax.text(14.9, 2.45, "the exchange: each block's share of the logits, copied to every block", ha="center",
+    ax.text(14.9, 2.45, "the exchange: each block's share of the logits,\ncopied to every block", ha="center",
             va="center", fontsize=8)
     for b in range(shown):
         arrow(ax, (11.7 + b * 1.6, 4.85), (11.7 + b * 1.6, 2.95), color=colors[b])
