@@ -4,7 +4,8 @@
     python -m common.bench --report          # only rewrite README.md's results block from results/*/
 
 Each preset is one run of the compare harness (common.compare), so every level is checked against
-level 1 step by step before its time counts; results go to results/<tag>/<preset>/. On a GPU it
+level 1 step by step before its time counts, and every row is timed ROUNDS times, in rounds over the rows (a row whose
+rounds disagree is flagged, not published); results go to results/<tag>/<preset>/. On a GPU it
 also profiles one epoch of every GPU implementation to split a step into kernel time and the rest
 (launch overhead and gaps between kernels), written to results/<tag>/profile.json.
 The README's numbers are tables this script writes from those files, never typed by hand.
@@ -40,6 +41,7 @@ PRESETS = {
     "lenet-b256": ["--model", "lenet", "--levels", "1,5,6,7", "--train-size", "5120", "--batch", "256",
                    "--epochs", "3"],
 }
+ROUNDS = 3  # each row timed three times: its median, its range, and a flag where they disagree
 GPU_ONLY = {"lenet-b64", "lenet-b256"}  # presets of GPU levels alone: left out where no GPU is
 README = ROOT / "README.md"
 BEGIN, END = "<!-- results:begin (written by python -m common.bench --report) -->", "<!-- results:end -->"
@@ -99,38 +101,24 @@ def profile_gpu(steps: int = 400) -> list[dict]:
 
 
 def markdown_table(results: dict) -> str:
-    """One preset's table, as the README shows it."""
+    """One preset's table, as the README shows it: its settings, machine and timing rule, then compare's table."""
     s = results["settings"]
     m = results["machine"]
     where = f"{m.get('cpu', '?')}, {m.get('cpu_count', '?')} cores"
     if "gpu" in m:
         where = f"{m['gpu']} (driver {m['driver']}, CUDA {m['cuda_runtime']}); CPU levels on the host: {where}"
     network = f"hidden {s['hidden']}" if "hidden" in s else get(s["model"]).title
-    absent = results.get("peers_not_run", {})
-    peers = {name: short for name, short in compare.PEERS.items()  # the columns of the peers this run had or lacked
-             if name in absent or any(r.get(f"speedup_vs_{short}") for r in results["table"])}
     lines = [
         f"**{s['train_size']:,} images x {s['epochs']} epochs, batch {s['batch']}, {network}** - {where}; "
-        f"data: {results['data'].rsplit(', ', 1)[0]}; "
-        + ("after an untimed warm-up epoch" if results.get("timing") else "the first timed epoch includes the upload"
-           " of the data set (and a peer's compilation)"),
+        f"data: {results['data'].rsplit(', ', 1)[0]}. {compare.timing_rule(s.get('rounds', 1))}",
         "",
-        "| implementation | train s | us/step (median epoch) | steps/s | vs level 1 CPU | "
-        + "".join(f"vs {name} | " for name in peers)
-        + "GFLOP/s | test acc | lockstep | ties | free run | check |",
-        "|---|" + "---:|" * (4 + len(peers) + 6) + "---|",
+        compare.table(results["table"], markdown=True),
     ]
-    for r in results["table"]:
-        vs = "".join(f"{r[k]:.2f}x | " if r.get(k) else "- | " for k in (f"speedup_vs_{s}" for s in peers.values()))
-        share = {k: f"{r[k]:.2f}" if r[k] is not None else "-" for k in ("lockstep_used", "free_run_used")}
-        lines.append(
-            f"| {r['level']} | {r['train_s']:.3f} | {r['us_per_step']:.1f} | {r['steps_per_s']:.0f} | "
-            f"{r['speedup_vs_level1']:.2f}x | {vs}{r['gflops']:.2f} | {r['test_accuracy']:.4f} | "
-            f"{share['lockstep_used']} | {r['ties'] if r['ties'] is not None else '-'} | {share['free_run_used']} | "
-            f"{'ok' if r['agrees'] else 'FAIL'} |"
-        )
-    for name, why in absent.items():
-        lines.append(f"| {name}[cuda] | not run: {why} |" + " |" * (4 + len(peers) + 7))
+    lines += [f"| {name}[cuda] | not run: {why} |" for name, why in results.get("peers_not_run", {}).items()]
+    peers = [row for row in results["table"] if "written as" in row.get("ran", {})]
+    if peers:
+        lines += ["", "The peers, as written: " + "; ".join(f"{row['level']}: {row['ran']['written as']}"
+                                                          for row in peers) + "."]
     return "\n".join(lines)
 
 
@@ -186,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--presets", default=None, help=f"comma-separated, from {list(PRESETS)} (default: all this "
                    "machine can run)")
     p.add_argument("--levels", default=None, help="comma-separated level numbers (default: all this machine can run)")
+    p.add_argument("--rounds", type=int, default=ROUNDS, help="how many times each row is timed (common.compare --rounds)")
     p.add_argument("--report", action="store_true", help="only rewrite README.md's results block")
     args = p.parse_args(argv)
     if args.report:
@@ -197,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n=== {preset} ===")
         extra = ["--levels", args.levels] if args.levels else []
         out = ROOT / "results" / args.tag / preset
-        status |= compare.main(PRESETS[preset] + extra + ["--out", str(out), "--quiet"])
+        status |= compare.main(PRESETS[preset] + extra + ["--rounds", str(args.rounds), "--out", str(out),
+                                                          "--quiet"])
     if gpu_available():
         print("\n=== where a GPU step's time goes ===")
         (ROOT / "results" / args.tag / "profile.json").write_text(json.dumps(profile_gpu(), indent=1))

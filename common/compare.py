@@ -38,6 +38,10 @@ from level1_pytorch.peers import NAMES as PEERS  # on a GPU, the yardsticks of s
 
 REFERENCE = "level1[cpu]"
 WARM_UP = "one untimed epoch first (then the initial weights back), then each epoch timed"  # train() does it
+# A row's rounds (--rounds: the whole timed run again, on a fresh model, each round over every row) must agree: its
+# slowest round at most this many times its fastest (each round's median epoch). A row past it is flagged
+# "unsteady" and its time and ratios are not published: one disturbed run must not set a number.
+STEADY_RATIO = 1.2
 
 
 @dataclass
@@ -48,8 +52,11 @@ class Run:
     level: int
     device: str
     factory: Callable  # params -> a fresh model of this implementation
+    asked: dict = field(default_factory=dict)  # what the run asked for: its device and options (a convolution)
+    ran: dict = field(default_factory=dict)  # what the trained model says it computed with (its variant())
     losses: list[float] = field(default_factory=list)
-    epoch_seconds: list[float] = field(default_factory=list)
+    epoch_seconds: list[float] = field(default_factory=list)  # of the first round, the run that is verified
+    rounds: list[float] = field(default_factory=list)  # each round's median epoch, in seconds
     test_accuracy: float = 0.0
     predictions: np.ndarray | None = None
     lockstep: dict | None = None  # verify.LockstepRecord.summary()
@@ -74,9 +81,18 @@ def runs_for(numbers: list[int], gpu: bool) -> list[tuple[Level, str]]:
 
 
 def factory(lv: Level, device: str, model: str = "mlp", **options) -> Callable:
-    """params -> a fresh model of the level for a network (level 1 takes its device)."""
+    """params -> a fresh model of the level for a network, given every option (a convolution); level 1 also takes
+    its device (the others have one)."""
     cls = lv.load(model)
-    return (lambda params: cls(params, device=device, **options)) if lv.number == 1 else cls
+    if lv.number == 1:
+        return lambda params: cls(params, device=device, **options)
+    return lambda params: cls(params, **options)
+
+
+def mismatch(asked: dict, ran: dict) -> str | None:
+    """Why a model did not run what was asked of it (a device or an option it reports otherwise), or None."""
+    wrong = [f"{key} {value!r} asked for, {ran.get(key)!r} ran" for key, value in asked.items() if ran.get(key) != value]
+    return "; ".join(wrong) or None
 
 
 def peer_runs(model: str) -> list[Run]:
@@ -84,7 +100,7 @@ def peer_runs(model: str) -> list[Run]:
     verified like the levels."""
     from level1_pytorch.peers import peers
 
-    return [Run(f"{name}[cuda]", 1, "cuda", cls) for name, cls in peers(model).items()]
+    return [Run(f"{name}[cuda]", 1, "cuda", cls, {"device": "cuda"}) for name, cls in peers(model).items()]
 
 
 def missing_peers() -> dict[str, str]:
@@ -106,18 +122,28 @@ def train(model, run: Run, params, X, y, X_test, y_test, orders, args, quiet: bo
 
     First one untimed epoch, then the initial parameters back: the CUDA context, library handles, the upload,
     graph captures and compilation (torch.compile's, XLA's) are done before the clock starts, so every timed epoch is
-    a warm one."""
+    a warm one. The first call for a run keeps its losses and predictions (the run that is verified); a later call,
+    a later round, adds its time only."""
+    first = not run.rounds
     model.train_epoch(X, y, args.batch, args.lr, orders[0])
     model.load_state_dict(params)
+    run.ran = model.variant()
+    if why := mismatch(run.asked, run.ran):  # never time one thing under another's name
+        run.failure = f"ran something else than its row says: {why}"
+    seconds = []
     for order in tqdm(orders, desc=run.label, disable=quiet, leave=False):
         start = time.perf_counter()
         losses = model.train_epoch(X, y, args.batch, args.lr, order)  # returns host memory: the GPU is done
-        run.epoch_seconds.append(time.perf_counter() - start)
-        run.losses.extend(losses.tolist())
+        seconds.append(time.perf_counter() - start)
+        if first:
+            run.losses.extend(losses.tolist())
         if not np.isfinite(losses).all():
             break
-    run.predictions = model.forward(X_test).argmax(axis=1)
-    run.test_accuracy = float((run.predictions == y_test).mean())
+    run.rounds.append(float(np.median(seconds)))
+    if first:
+        run.epoch_seconds = seconds
+        run.predictions = model.forward(X_test).argmax(axis=1)
+        run.test_accuracy = float((run.predictions == y_test).mean())
     return run
 
 
@@ -126,7 +152,7 @@ def verify_runs(runs: list[Run], twin: Run, params, X, y, y_test, orders, args, 
     reference = runs[0]
     for run in runs:
         if (why := verify.divergence(run.losses, args.lr, X)) is not None:
-            run.failure = why
+            run.failure = run.failure or why
     if reference.failure:
         for run in runs[1:]:
             run.failure = run.failure or f"not verified: the reference {reference.label} {reference.failure}"
@@ -172,11 +198,20 @@ def machine() -> dict[str, str]:
     return info
 
 
+def steady(run: Run) -> bool:
+    """Whether a run's rounds agree (STEADY_RATIO)."""
+    return max(run.rounds) <= STEADY_RATIO * min(run.rounds)
+
+
 def summarize(runs: list[Run], args, steps_per_epoch: int) -> list[dict]:
-    """One table row per run. Times are the median epoch (one disturbed epoch cannot move a ratio); speedups are
-    against level 1 on the CPU and, on a GPU, against each peer, all measured in this same run."""
-    def median_epoch(run: Run) -> float:
-        return float(np.median(run.epoch_seconds))
+    """One table row per run. A run's time is the median of its rounds, each the median of its epochs (one disturbed
+    epoch cannot move it; one disturbed round cannot either, and makes its row unsteady). Speedups are against level 1
+    on the CPU and, on a GPU, against each peer, all measured in this same run, between steady rows only."""
+    def median_epoch(run: Run) -> float | None:
+        return float(np.median(run.rounds)) if steady(run) else None
+
+    def ratio(theirs: float | None, ours: float | None) -> float | None:
+        return theirs / ours if theirs and ours else None
 
     reference = median_epoch(runs[0])
     peer = {name: next((median_epoch(r) for r in runs if r.label == f"{name}[cuda]"), None) for name in PEERS}
@@ -186,14 +221,20 @@ def summarize(runs: list[Run], args, steps_per_epoch: int) -> list[dict]:
         rows.append({
             "level": run.label,
             "device": run.device,
+            "ran": run.ran,
             "train_s": float(sum(run.epoch_seconds)),
+            "rounds": len(run.rounds),
+            "steady": steady(run),
             "epoch_s_median": epoch,
+            "epoch_s_rounds": run.rounds,
             "epoch_s_spread": [float(min(run.epoch_seconds)), float(max(run.epoch_seconds))],
-            "us_per_step": 1e6 * epoch / steps_per_epoch,
-            "steps_per_s": steps_per_epoch / epoch,
-            "speedup_vs_level1": reference / epoch,
-            **{f"speedup_vs_{short}": peer[name] / epoch if peer[name] else None for name, short in PEERS.items()},
-            "gflops": get(args.model).network.flops_per_step(args.batch, args.hidden) * steps_per_epoch / epoch / 1e9,
+            "us_per_step": 1e6 * epoch / steps_per_epoch if epoch else None,
+            "us_per_step_range": [1e6 * min(run.rounds) / steps_per_epoch, 1e6 * max(run.rounds) / steps_per_epoch],
+            "steps_per_s": steps_per_epoch / epoch if epoch else None,
+            "speedup_vs_level1": ratio(reference, epoch),
+            **{f"speedup_vs_{short}": ratio(peer[name], epoch) for name, short in PEERS.items()},
+            "gflops": (get(args.model).network.flops_per_step(args.batch, args.hidden) * steps_per_epoch / epoch / 1e9
+                       if epoch else None),
             "final_loss": float(np.mean(run.losses[-steps_per_epoch:])),
             "test_accuracy": run.test_accuracy,
             "lockstep_used": run.lockstep["max_used"] if run.lockstep else None,
@@ -205,33 +246,55 @@ def summarize(runs: list[Run], args, steps_per_epoch: int) -> list[dict]:
     return rows
 
 
-def _share(value) -> str:
-    return f"{value:.2f}" if value is not None else "-"
+def _times(r: dict) -> str:
+    """us/step: the median of the rounds, with their range when there are several; withheld when they disagree."""
+    low, high = r["us_per_step_range"]
+    if not r["steady"]:
+        return f"unsteady {low:.1f}-{high:.1f}"
+    return f"{r['us_per_step']:.1f}" + (f" ({low:.1f}-{high:.1f})" if r["rounds"] > 1 else "")
+
+
+def _number(value, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def table(rows: list[dict], markdown: bool = False) -> str:
+    """The results table, as text (a terminal, a chapter) or Markdown (README, results/README.md): speed against
+    level 1 and each peer of this run, and the two checks against level 1. lockstep and free run: the largest share of
+    its tolerance a level used (1.00 = at the limit; above: FAIL). Every table of the course is written here."""
+    peers = [short for short in PEERS.values() if any(r.get(f"speedup_vs_{short}") for r in rows)]
+    columns = [  # (heading, text width, the cell of a row)
+        ("implementation", -19, lambda r: r["level"]),
+        ("train s", 9, lambda r: f"{r['train_s']:.2f}"),
+        ("us/step" + (" (range)" if any(r["rounds"] > 1 for r in rows) else ""), 24, _times),
+        ("steps/s", 9, lambda r: _number(r["steps_per_s"], ".0f")),
+        ("vs L1 cpu", 10, lambda r: _number(r["speedup_vs_level1"], ".2f", "x")),
+        *((f"vs {short}", 10, lambda r, short=short: _number(r.get(f"speedup_vs_{short}"), ".2f", "x"))
+          for short in peers),
+        ("GFLOP/s", 9, lambda r: _number(r["gflops"], ".2f")),
+        ("loss", 8, lambda r: f"{r['final_loss']:.4f}"),
+        ("test acc", 9, lambda r: f"{r['test_accuracy']:.4f}"),
+        ("lockstep", 9, lambda r: _number(r["lockstep_used"], ".2f")),
+        ("ties", 5, lambda r: _number(r["ties"], "d")),
+        ("free run", 9, lambda r: _number(r["free_run_used"], ".2f")),
+        ("check", -9, lambda r: "ok" if r["agrees"] else ("DIVERGED" if "diverged" in (r["failure"] or "") else "FAIL")),
+    ]
+    cells = [[cell(r) for _, _, cell in columns] for r in rows]
+    if markdown:
+        lines = ["| " + " | ".join(head for head, _, _ in columns) + " |",
+                 "|" + "".join("---|" if width < 0 else "---:|" for _, width, _ in columns)]
+        return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in cells])
+    widths = [max(abs(width), len(head), *(len(row[i]) for row in cells)) for i, (head, width, _) in
+              enumerate(columns)]
+    align = [(str.ljust if width < 0 else str.rjust) for _, width, _ in columns]
+    head = "  ".join(a(h, w) for (h, _, _), a, w in zip(columns, align, widths)).rstrip()
+    return "\n".join([head, "-" * len(head)] + ["  ".join(a(c, w) for c, a, w in zip(row, align, widths)).rstrip()
+                                                 for row in cells])
 
 
 def print_table(rows: list[dict]) -> None:
-    """The table a student reads: speed against level 1 (and the PyTorch peers), and the two checks against level 1.
-
-    lockstep and free run: the largest share of its tolerance a level used (1.00 = at the limit; above: FAIL).
-    """
-    peers = [short for short in PEERS.values() if any(r.get(f"speedup_vs_{short}") for r in rows)]
-    head = (
-        f"{'level':<19}{'train s':>9}{'us/step':>10}{'steps/s':>10}{'vs L1 cpu':>10}"
-        + "".join(f"{'vs ' + short:>11}" for short in peers)
-        + f"{'GFLOP/s':>9}{'loss':>9}{'test acc':>10}{'lockstep':>10}{'ties':>6}{'free run':>10}  check"
-    )
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        vs_peers = "".join(f"{r[f'speedup_vs_{short}']:>10.2f}x" if r.get(f"speedup_vs_{short}") else f"{'-':>11}"
-                           for short in peers)
-        check = "ok" if r["agrees"] else ("DIVERGED" if "diverged" in (r["failure"] or "") else "FAIL")
-        print(
-            f"{r['level']:<19}{r['train_s']:>9.2f}{r['us_per_step']:>10.1f}{r['steps_per_s']:>10.0f}"
-            f"{r['speedup_vs_level1']:>9.2f}x{vs_peers}{r['gflops']:>9.2f}{r['final_loss']:>9.4f}"
-            f"{r['test_accuracy']:>10.4f}{_share(r['lockstep_used']):>10}{r['ties'] if r['ties'] is not None else '-':>6}"
-            f"{_share(r['free_run_used']):>10}  {check}"
-        )
+    """The table a student reads, as text."""
+    print(table(rows))
 
 
 def plot(runs: list[Run], twin: Run, out: Path, title: str, epochs: int) -> None:
@@ -306,6 +369,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=ROOT / "results" / "local", help="folder for results.json and plots")
     p.add_argument("--quiet", action="store_true", help="no progress bars (also when not on a terminal or in CI)")
     p.add_argument("--no-peers", action="store_true", help="on a GPU, leave out the peers (level1_pytorch/peers.py)")
+    p.add_argument("--rounds", type=int, default=1, help="time every row this many times, in rounds over the rows "
+                   f"(make bench: 3); a row whose rounds differ by more than {STEADY_RATIO}x is flagged, not published")
     args = p.parse_args(argv)
     network = get(args.model)
     for name, value in network.run.items():
@@ -323,7 +388,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--hidden sizes the MLP; {network.title} has fixed sizes")
     if 1 not in args.levels:
         p.error("level 1 is the gold standard every level is checked against: include it in --levels")
-    for name in ("epochs", "train_size", "batch", "hidden"):
+    for name in ("epochs", "train_size", "batch", "hidden", "rounds"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.seed < 0:
@@ -373,7 +438,8 @@ def main(argv: list[str] | None = None) -> int:
         for convolution in network.variants(lv.number):  # LeNet's levels 4 and 5 have two each
             options = {"convolution": convolution} if convolution else {}
             label = f"{lv.name}[{', '.join([device, *options.values()])}]"
-            runs.append(Run(label, lv.number, device, factory(lv, device, args.model, **options)))
+            runs.append(Run(label, lv.number, device, factory(lv, device, args.model, **options),
+                            {"device": device, **options}))
     absent = {}
     if gpu_available() and not args.no_peers:
         runs += peer_runs(args.model)
@@ -381,9 +447,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"skipping the peer {name}: {why}")
     if not runs or runs[0].label != REFERENCE:
         raise SystemExit(f"{REFERENCE} must run: it is the reference every level is checked against")
-    for run in runs:
-        train(run.factory(params), run, params, X, y, X_test, y_test, orders, args, quiet)
-    twin = train(factory(level(1), "cpu", args.model, dtype="float64")(params), Run("level1[cpu, float64]", 1, "cpu", None),
+    for _ in range(args.rounds):  # a disturbance of the machine lands in one round of several rows
+        for run in runs:
+            train(run.factory(params), run, params, X, y, X_test, y_test, orders, args, quiet)
+    twin = train(factory(level(1), "cpu", args.model, dtype="float64")(params),
+                 Run("level1[cpu, float64]", 1, "cpu", None, {"device": "cpu", "dtype": "float64"}),
                  params, X, y, X_test, y_test, orders, args, quiet)
     verify_runs(runs, twin, params, X, y, y_test, orders, args, quiet)
 
@@ -393,8 +461,9 @@ def main(argv: list[str] | None = None) -> int:
         f"\n{network.title}: {n:,} images x {args.epochs} epochs, batch {args.batch}{size_note(args)}, lr {args.lr}, "
         f"seed {args.seed}"
         f"{', shuffled' if args.shuffle else ''}; verified against {REFERENCE}: lockstep at every step, "
-        f"free run against float32 noise (common/verify.py)\n"
+        f"free run against float32 noise (common/verify.py)"
     )
+    print(timing_rule(args.rounds) + "\n")
     print_table(rows)
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "quiet", "no_peers")}
     settings["train_size"] = n
@@ -407,6 +476,7 @@ def main(argv: list[str] | None = None) -> int:
         "rules": {"yardstick": verify.YARDSTICK, "loss_rtol": verify.LOSS_RTOL, "loss_atol": verify.LOSS_ATOL,
                   "free_k": verify.FREE_K, "free_floor": verify.FREE_FLOOR, "accuracy_floor_images": verify.ACC_FLOOR},
         "timing": WARM_UP,
+        "steady_ratio": STEADY_RATIO,
         "table": rows,
         "peers_not_run": absent,
         "runs": [_for_json(run) for run in runs + [twin]],
@@ -421,9 +491,22 @@ def main(argv: list[str] | None = None) -> int:
     failed = [run for run in runs if run.failure]
     for run in failed:
         print(f"FAIL: {run.label} {run.failure}" if "diverged" not in run.failure else f"DIVERGED: {run.label} {run.failure}")
+    for run in runs:
+        if not steady(run):
+            print(f"UNSTEADY: {run.label}'s rounds took {', '.join(f'{s * 1e3:.1f}' for s in run.rounds)} ms per "
+                  f"epoch (median): more than {STEADY_RATIO}x apart, so its time is not published; run it again")
     # the peers are yardsticks: a failed check is reported (their arithmetic misses the rule), the exit status is the
     # levels'
     return 1 if any(run.label.split("[")[0] not in PEERS for run in failed) else 0
+
+
+def timing_rule(rounds: int) -> str:
+    """How the table's times were taken, in a sentence."""
+    if rounds == 1:
+        return f"Timing: {WARM_UP}; us/step is the median epoch's."
+    return (f"Timing: {WARM_UP}; every row timed {rounds} times, in rounds over the rows; us/step is the median of "
+            f"the rounds' median epochs, with their range; a row whose rounds are more than {STEADY_RATIO}x apart "
+            "is flagged unsteady and not published.")
 
 
 def size_note(args) -> str:
@@ -434,7 +517,7 @@ def size_note(args) -> str:
 def _for_json(run: Run) -> dict:
     """A run as results.json keeps it: no per-step arrays (the plots show them), no predictions."""
     return {
-        "label": run.label, "level": run.level, "device": run.device, "steps": len(run.losses),
+        "label": run.label, "level": run.level, "device": run.device, "ran": run.ran, "steps": len(run.losses),
         "epoch_seconds": run.epoch_seconds, "epoch_means": verify.epoch_means(run.losses, len(run.epoch_seconds)).tolist()
         if len(run.losses) % max(len(run.epoch_seconds), 1) == 0 else None,
         "test_accuracy": run.test_accuracy,

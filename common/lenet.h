@@ -41,6 +41,8 @@ int lenet_get_params(lenet *m, float *params);
 #define LENET_IM2COL 1
 #define LENET_TILED 2
 int lenet_set_convolution(lenet *m, int convolution);
+/* The convolution the model computes with, read back from the model (*convolution: LENET_DIRECT, ...). */
+int lenet_get_convolution(lenet *m, int *convolution);
 
 /* logits (n, 10) = forward(x (n, 784)). */
 int lenet_forward(lenet *m, float *logits, const float *x, int n);

@@ -132,6 +132,10 @@ class NativeModel:
             self._epoch_done(batch_size)
             return losses
 
+    def variant(self) -> dict[str, str]:
+        """What this model computes with, read from it: the device of its library."""
+        return {"device": "cuda" if self.on_gpu else "cpu"}
+
     def _epoch_done(self, batch_size: int) -> None:
         """Called at the end of train_epoch (level 7 warns there when an epoch did not run fused)."""
 
@@ -266,10 +270,20 @@ class NativeLeNet(NativeModel):
         if convolution not in self.CONVOLUTIONS:
             raise ValueError(f"convolution must be one of {self.CONVOLUTIONS}, got {convolution!r}")
         super().__init__(params)
-        self.convolution = convolution
         # A convolution this level does not have is refused by the library, which names its own.
         self._check(self.lib.lenet_set_convolution(self._handle(), self.CONVOLUTIONS.index(convolution)),
                     refused=ValueError)
+
+    @property
+    def convolution(self) -> str:
+        """The convolution the library computes with, read back from it (not from the argument)."""
+        chosen = ffi.new("int *")
+        with self._lock:
+            self._check(self.lib.lenet_get_convolution(self._handle(), chosen))
+        return self.CONVOLUTIONS[chosen[0]]
+
+    def variant(self) -> dict[str, str]:
+        return {**super().variant(), "convolution": self.convolution}
 
     def layers(self, X: np.ndarray, y: np.ndarray) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         """Every layer's output for a batch, and the gradient of the batch's mean loss with respect to each."""

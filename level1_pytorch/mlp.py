@@ -96,6 +96,10 @@ class Model:
                 losses[step] = loss.detach()  # stays on the device: no synchronisation per step
         return losses.cpu().numpy()
 
+    def variant(self) -> dict[str, str]:
+        """What this model computes with, read from it: its device and float type."""
+        return {"device": self.device.type, "dtype": str(self.dtype).removeprefix("torch.")}
+
     def arithmetic(self):
         """The context of every computation of this model: nothing beyond the gold standard's settings, made in
         __init__ (deterministic algorithms, no TF32); the benchmark's peers run in plain PyTorch's (peers.py)."""

@@ -118,6 +118,10 @@ class Model:
             sgd_update(self.params, grads, lr)
         return losses
 
+    def variant(self) -> dict[str, str]:
+        """What this model computes with: NumPy, on the CPU."""
+        return {"device": "cpu"}
+
     def loss_and_grads(self, X: np.ndarray, y: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
         """Mean cross-entropy of one batch and its gradients; parameters unchanged."""
         X = check_X(X)

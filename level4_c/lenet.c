@@ -320,6 +320,12 @@ int lenet_set_convolution(lenet *m, int convolution) {
     return MLP_OK;
 }
 
+int lenet_get_convolution(lenet *m, int *convolution) {
+    if (!m || !convolution) return FAIL(MLP_ERR_ARG, "NULL argument");
+    *convolution = m->im2col ? LENET_IM2COL : LENET_DIRECT;
+    return MLP_OK;
+}
+
 int lenet_forward(lenet *m, float *logits, const float *x, int n) {
     if (!m || !logits || !x) return FAIL(MLP_ERR_ARG, "NULL argument");
     if (n < 1) return FAIL(MLP_ERR_ARG, "n must be >= 1, got %d", n);

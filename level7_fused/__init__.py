@@ -25,6 +25,7 @@ class MLP(native_level(level(7))):
     def __init__(self, params: dict[str, np.ndarray]):
         super().__init__(params)
         self._warned: set[int] = set()
+        self._last_plan = "no epoch yet"
 
     def plan(self, batch_size: int) -> str:
         """How an epoch with this batch size runs here: "fused: a cluster of G blocks x U units, ..." or why not."""
@@ -34,9 +35,14 @@ class MLP(native_level(level(7))):
     def _plan(self, batch_size: int) -> str:
         return ffi.string(self.lib.mlp_fused_plan(self._handle(), int(batch_size))).decode()
 
+    def variant(self) -> dict[str, str]:
+        """The device, and how the last epoch ran: the fused kernel's plan, or level 6's kernels and why."""
+        return {**super().variant(), "epoch": self._last_plan}
+
     def _epoch_done(self, batch_size: int) -> None:
         """Warn, once per batch size, where the epoch ran level 6's kernels (it holds the model's lock)."""
-        if batch_size not in self._warned and not (plan := self._plan(batch_size)).startswith("fused"):
+        self._last_plan = plan = self._plan(batch_size)
+        if batch_size not in self._warned and not plan.startswith("fused"):
             self._warned.add(batch_size)
             warnings.warn(f"level 7 runs this epoch with {plan}", RuntimeWarning, stacklevel=3)  # the caller's line
 

@@ -92,8 +92,48 @@ def test_a_peer_is_checked_and_reported_but_the_exit_status_is_the_levels(tmp_pa
     assert [row["agrees"] for row in results["table"]] == [True, True, False]
     assert all(row["speedup_vs_graph"] > 0 and row["speedup_vs_eager"] is None for row in results["table"])
     table = bench.markdown_table(results)
-    assert "| vs level 1 CPU | vs torch-graph | vs jax-scan | GFLOP/s |" in table  # the peers it had or lacked
-    assert "| jax-scan[cuda] | not run: JAX is not installed |" in table
+    assert "| vs L1 cpu | vs graph | GFLOP/s |" in table  # the peers it had
+    assert "| jax-scan[cuda] | not run: JAX is not installed |" in table  # and the one it lacked
+
+
+def test_a_row_whose_rounds_disagree_is_flagged_not_published(tmp_path, monkeypatch, capsys):
+    """--rounds times every row again on a fresh model; a row whose rounds are more than STEADY_RATIO apart shows
+    its range as unsteady, and no time or ratio of it (nor ratios against it) is published."""
+    cls = level(3).load()
+    original = cls.train_epoch
+    calls = {"n": 0}
+
+    def disturbed_second_round(self, *args, **kwargs):
+        calls["n"] += 1
+        if 4 <= calls["n"] <= 5:  # level 3's second round (a warm-up epoch, then the timed one)
+            time.sleep(0.3)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "train_epoch", disturbed_second_round)
+    args = ["--levels", "1,3", "--epochs", "1", "--train-size", "64", "--rounds", "3", "--out", str(tmp_path),
+            "--quiet"]
+    assert compare.main(args) == 0
+    out = capsys.readouterr().out
+    assert "UNSTEADY: level3[cpu]'s rounds took" in out and "every row timed 3 times" in out
+    rows = {row["level"]: row for row in json.loads((tmp_path / "results.json").read_text())["table"]}
+    assert rows["level1[cpu]"]["rounds"] == rows["level3[cpu]"]["rounds"] == 3
+    assert not rows["level3[cpu]"]["steady"] and rows["level3[cpu]"]["us_per_step"] is None
+    assert rows["level3[cpu]"]["speedup_vs_level1"] is None
+    assert "| level3[cpu] | " in bench.markdown_table(json.loads((tmp_path / "results.json").read_text()))
+    assert "unsteady" in compare.table(list(rows.values()))
+
+
+def test_a_row_says_what_ran_and_fails_when_the_model_ran_something_else(tmp_path, monkeypatch, capsys):
+    """Each row records the variant the trained model reports (variant()), and a row whose model reports another
+    than the one asked for fails instead of being timed under the wrong name."""
+    cls = level(3).load()
+    monkeypatch.setattr(cls, "variant", lambda self: {"device": "cuda"})
+    args = ["--levels", "1,3", "--epochs", "1", "--train-size", "64", "--out", str(tmp_path), "--quiet"]
+    assert compare.main(args) == 1
+    assert "FAIL: level3[cpu] ran something else than its row says: device 'cpu' asked for, 'cuda' ran" in \
+        capsys.readouterr().out
+    rows = json.loads((tmp_path / "results.json").read_text())["table"]
+    assert rows[0]["ran"] == {"device": "cpu", "dtype": "float32"} and rows[1]["ran"] == {"device": "cuda"}
 
 
 def test_the_timed_epochs_come_after_an_untimed_one_from_the_same_weights(tmp_path, monkeypatch, mnist):

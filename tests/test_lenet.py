@@ -217,6 +217,54 @@ def test_each_levels_two_convolutions_agree(request, trained, digits, number, de
         cls(trained, convolution=missing_one)
 
 
+# Every (level, convolution) the model list names, as the harness builds it.
+HARNESS_VARIANTS = [pytest.param(number, convolution, marks=GPU5 if number == 5 else pytest.mark.level4,
+                                 id=f"level{number}-{convolution}")
+                    for number, convolutions in get("lenet").convolutions for convolution in convolutions]
+
+
+@pytest.mark.parametrize("number, convolution", HARNESS_VARIANTS)
+def test_the_harness_builds_each_variant_it_names(request, trained, number, convolution):
+    """compare.factory hands every option to every level, and the model it builds reports (read back from its
+    library) the convolution its row is named for."""
+    from common import compare
+
+    device = "cuda" if number == 5 else "cpu"
+    require(level(number), device, request.config, "lenet")
+    model = compare.factory(level(number), device, "lenet", convolution=convolution)(trained)
+    assert model.variant() == {"device": device, "convolution": convolution}
+
+
+@pytest.mark.level4
+def test_level4s_two_convolutions_train_differently(request, trained, mnist):
+    """im2col adds a convolution's terms in another order than the direct loops: the two cannot train to the same
+    bits. (Identical losses would mean one convolution ran under both names.)"""
+    require(level(4), "cpu", request.config, "lenet")
+    X, y = mnist[0][:320], mnist[1][:320]
+    losses = [level(4).load("lenet")(trained, convolution=c).train_epoch(X, y, 16, 0.05) for c in ("direct", "im2col")]
+    assert not np.array_equal(losses[0], losses[1])
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.level5
+def test_level5s_tiled_convolution_is_the_kernel_that_runs(request, trained, digits):
+    """The tiled kernel adds the same terms in the same order as the direct one (the same bits, by design), so its
+    row is told apart by the kernels it launches: the profiler sees the tiled forward kernel for "tiled" only."""
+    require(level(5), "cuda", request.config, "lenet")
+    from torch.profiler import ProfilerActivity, profile
+
+    launched = {}
+    for convolution in ("direct", "tiled"):
+        model = level(5).load("lenet")(trained, convolution=convolution)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            model.train_epoch(*digits, 8, 0.05)
+        launched[convolution] = {e.name.split("(")[0].removeprefix("void ") for e in prof.events()
+                                 if e.device_type.name == "CUDA"}
+    assert "conv2d_forward_tiled_kernel" in launched["tiled"]
+    assert "conv2d_forward_tiled_kernel" not in launched["direct"] and "conv2d_forward_kernel" in launched["direct"]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("number, convolution", [
     pytest.param(5, "direct", marks=pytest.mark.level5, id="level5-direct"),
