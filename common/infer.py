@@ -14,9 +14,11 @@ timed, it is checked:
     rounding; a ReLU and a max-pool exactly);
   - its predictions on the whole test set against PyTorch's: a digit may be classified differently only where
     PyTorch's two largest logits are within TIE of each other (a float32 tie, reported).
-Then every row, ours and PyTorch's (eager, the forward captured as a CUDA graph, torch.compile), is timed the same
-way from Python: `calls` calls on the loaded batch, each one forward and a wait for the GPU, by perf_counter; p50 and
-p99; then PyTorch's profiler sums the GPU's own time per call. Writes results.json and table.md to --out.
+Then every row, ours and PyTorch's (eager, the forward captured as a CUDA graph, torch.compile: the fastest forms a
+PyTorch user writes, checked against plain twins by `python -m level1_pytorch.peers --check`), is timed the same way
+from Python: `calls` calls on the loaded batch, each one forward and a wait for the GPU, by perf_counter; p50 and p99;
+in ROUNDS rounds over the rows. After all the timing, PyTorch's profiler sums the GPU's own time per call. Writes
+results.json and table.md to --out.
 """
 
 from __future__ import annotations
@@ -25,20 +27,22 @@ import argparse
 import json
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
 from common import lenet, lenet_verify
 from common.data import load_mnist, normalize
+from common.compare import STEADY_RATIO
 from common.levels import ROOT, gpu_available, level, missing
 from common.models import get
+from level1_pytorch.peers import plain_pytorch
 
 CHECK_DIGITS = 512  # test digits of the per-layer check
 TIE = 1e-4  # a differing prediction is a float32 tie when PyTorch's top two logits are this close (times its largest)
 WARMUP = 50  # calls before the timed ones (first-call setup, caches, clocks)
 PROFILED = 200  # calls whose GPU time the profiler sums
+ROUNDS = 3  # every row timed in three rounds over the rows
 ROWS = (("level5[direct]", 5, "direct"), ("level5[tiled]", 5, "tiled"), ("level6[cudnn]", 6, "direct"),
         ("level7[fused]", 7, "direct"))
 
@@ -120,23 +124,6 @@ def hooked_layers(net, X: np.ndarray) -> dict[str, np.ndarray]:
     return seen
 
 
-@contextmanager
-def plain_pytorch():
-    """PyTorch as a user serving a model runs it: level 1's deterministic-algorithm mode off, cuDNN on and free to pick
-    its fastest convolution (benchmark mode); TF32 stays off. Restored afterwards."""
-    import torch
-
-    from level1_pytorch.peers import plain_pytorch as nondeterministic
-
-    before = torch.backends.cudnn.benchmark
-    torch.backends.cudnn.benchmark = True
-    try:
-        with nondeterministic():
-            yield
-    finally:
-        torch.backends.cudnn.benchmark = before
-
-
 def pytorch_logits(net, X: np.ndarray) -> np.ndarray:
     """PyTorch's logits of X."""
     import torch
@@ -185,6 +172,8 @@ class LevelForward:
 
     def __init__(self, params: dict[str, np.ndarray], number: int, convolution: str):
         self.model = level(number).load("lenet")(params, convolution=convolution)
+        if (ran := self.model.variant()["convolution"]) != convolution:  # a row times what it is named for
+            raise RuntimeError(f"level {number} was asked for the {convolution} convolution and reports {ran}")
 
     def load(self, X: np.ndarray) -> None:
         self.model.infer_load(X)
@@ -216,8 +205,8 @@ def check_level(model, params: dict[str, np.ndarray], X: np.ndarray, labels: np.
     return {"per_layer": max(shares.values()), "failure": failure, "accuracy": accuracy, "ties": ties}
 
 
-def time_calls(row, X: np.ndarray, calls: int) -> dict:
-    """p50 and p99 microseconds of `calls` calls of row.run() on the loaded batch X, and the GPU's own time per call."""
+def p50_p99(row, X: np.ndarray, calls: int) -> tuple[float, float]:
+    """p50 and p99 microseconds of `calls` calls of row.run() on the loaded batch X, after WARMUP calls."""
     row.load(X)
     for _ in range(WARMUP):
         row.run()
@@ -227,8 +216,33 @@ def time_calls(row, X: np.ndarray, calls: int) -> dict:
         row.run()
         times[i] = time.perf_counter() - start
     p50, p99 = np.percentile(times, [50, 99]) * 1e6
-    return {"p50_us": float(p50), "p99_us": float(p99), "gpu_us": gpu_time(row),
-            "images_per_s": float(len(X) / p50 * 1e6)}
+    return float(p50), float(p99)
+
+
+def time_rows(rows: dict, X: np.ndarray, batches: list[int], calls: int) -> dict[str, dict[str, dict]]:
+    """Each row's latency per batch size, in ROUNDS rounds over the rows (p50: the median of the rounds' p50s, with
+    their range; a row whose rounds are more than STEADY_RATIO apart is flagged unsteady), then the GPU's own time
+    per call. The profiler comes last: once it has run, PyTorch leaves NVIDIA's profiling library (CUPTI) attached,
+    and every later launch of the process is slower."""
+    rounds = {name: {b: [] for b in batches} for name in rows}
+    for _ in range(ROUNDS):
+        for name, row in rows.items():
+            for b in batches:
+                rounds[name][b].append(p50_p99(row, X[:b], calls))
+    times = {}
+    for name, row in rows.items():
+        times[name] = {}
+        for b in batches:
+            p50s, p99s = (np.array(t) for t in zip(*rounds[name][b]))
+            times[name][str(b)] = {"p50_us": float(np.median(p50s)), "p50_range": [float(p50s.min()),
+                                   float(p50s.max())], "p99_us": float(np.median(p99s)),
+                                   "steady": bool(p50s.max() <= STEADY_RATIO * p50s.min()),
+                                   "images_per_s": float(b / np.median(p50s) * 1e6)}
+    for name, row in rows.items():
+        for b in batches:
+            row.load(X[:b])
+            times[name][str(b)]["gpu_us"] = gpu_time(row)
+    return times
 
 
 def gpu_time(row, calls: int = PROFILED) -> float:
@@ -251,7 +265,7 @@ def markdown(results: dict) -> str:
     head = "| implementation | per layer | test accuracy |"
     rule = "|---|---:|---:|"
     for b in batches:
-        head += f" batch {b}: p50 µs | p99 µs | GPU µs | images/s | vs graph |"
+        head += f" batch {b}: p50 µs (range) | p99 µs | GPU µs | images/s | vs graph |"
         rule += "---:|---:|---:|---:|---:|"
     lines = [head, rule]
     for name, row in results["rows"].items():
@@ -259,14 +273,20 @@ def markdown(results: dict) -> str:
         line = (f"| {name} | {check['per_layer']:.2f} | {check['accuracy']:.4f} |" if check
                 else f"| {name} | (reference) | {results['pytorch_accuracy']:.4f} |")
         for b in batches:
-            t = row["times"][str(b)]
-            graph = results["rows"]["torch-graph"]["times"][str(b)]["p50_us"]
-            line += (f" {t['p50_us']:.1f} | {t['p99_us']:.1f} | {t['gpu_us']:.1f} | {t['images_per_s']:,.0f} | "
-                     f"{graph / t['p50_us']:.2f}x |")
+            t, graph = row["times"][str(b)], results["rows"]["torch-graph"]["times"][str(b)]
+            low, high = t["p50_range"]
+            if not t["steady"]:
+                line += f" unsteady {low:.1f}-{high:.1f} | - | {t['gpu_us']:.1f} | - | - |"
+                continue
+            vs = f"{graph['p50_us'] / t['p50_us']:.2f}x" if graph["steady"] else "-"
+            line += (f" {t['p50_us']:.1f} ({low:.1f}-{high:.1f}) | {t['p99_us']:.1f} | {t['gpu_us']:.1f} | "
+                     f"{t['images_per_s']:,.0f} | {vs} |")
         lines.append(line)
     flops, weights = lenet.forward_flops(1), 4 * sum(int(np.prod(s)) for s in lenet.SHAPES.values())
     per_batch = "; ".join(f"batch {b}: {flops * b / 1e6:,.1f} MFLOP" for b in batches)
-    lines += ["", "Per layer: the worst layer's share of its allowance (at most 1). GPU µs: the GPU's own work per call "
+    lines += ["", f"p50: the median of {ROUNDS} rounds over the rows, each the median of {results['calls']:,} calls, with "
+              f"the rounds' range; a row whose rounds are more than {STEADY_RATIO}x apart is shown unsteady and not "
+              "compared. Per layer: the worst layer's share of its allowance (at most 1). GPU µs: the GPU's own work per call "
               "(kernels and copies, by the profiler); the rest of p50 is launching, waiting and the gaps between "
               f"kernels. The floor of a call: {flops / 1e6:.2f} MFLOP per image, and reading the {weights / 1e3:.0f} KB "
               f"of weights and {4 * 784 / 1e3:.1f} KB per image ({per_batch})."]
@@ -305,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     reference_logits = pytorch_logits(net, X)
     results = {"weights": str(weights), "batches": batches, "calls": args.calls, "rows": {},
                "pytorch_accuracy": float((reference_logits.argmax(1) == labels).mean())}
-    status = 0
+    status, timed = 0, {}
     for name, number, convolution in ROWS:
         if why := missing(level(number), "cuda", "lenet"):
             print(f"{name}: skipped ({'; '.join(why)})")
@@ -318,11 +338,12 @@ def main(argv: list[str] | None = None) -> int:
         if check["failure"]:
             status = 1
             continue
-        results["rows"][name] = {"check": check, "times": {str(b): time_calls(row, X[:b], args.calls) for b in batches}}
-    peers = {f"torch-{mode}": TorchForward(params, mode) for mode in ("eager", "graph", "compile")}
+        results["rows"][name] = {"check": check}
+        timed[name] = row
+    timed |= {f"torch-{mode}": TorchForward(params, mode) for mode in ("eager", "graph", "compile")}
     with plain_pytorch():
-        for name, row in peers.items():
-            results["rows"][name] = {"times": {str(b): time_calls(row, X[:b], args.calls) for b in batches}}
+        for name, times in time_rows(timed, X, batches, args.calls).items():
+            results["rows"].setdefault(name, {})["times"] = times
     table = markdown(results)
     print(table)
     if args.out:

@@ -2,15 +2,18 @@
 
 The benchmark's yardsticks for the GPU levels, measured in the same run (common/compare.py adds them on a GPU):
   - torch-eager: level 1 without the deterministic-algorithm mode that the gold standard needs (cuDNN free to pick
-    its algorithms); everything else, float32 with TF32 off included, as level 1. The plain PyTorch loop.
-  - torch-graph: one whole training step - gather the batch, forward, loss, backward, SGD update - captured once
-    as a CUDA graph and replayed for every step, so that a step costs one graph launch instead of ~20
-    kernel launches from Python.
+    its fastest algorithms); everything else, float32 with TF32 off included, as level 1. The plain PyTorch loop.
+  - torch-graph: one whole training step - pick the batch's rows by a step counter on the GPU, forward, loss,
+    backward, SGD update, store the loss - captured once as a CUDA graph on static buffers and replayed for every
+    step, so that a step costs one graph launch instead of ~20 kernel launches from Python.
   - torch-compile: the same graph, around a step whose forward and backward torch.compile generated (fused kernels)
     and PyTorch's fused SGD: the strongest loop a PyTorch user would write.
   - jax-scan: the network in JAX, a whole epoch as one jit-compiled lax.scan (jax_peer.py), where JAX is installed.
 Each implements the level contract (the PyTorch ones are level 1's class with another train_epoch), so the harness
 verifies them like any level before it reports their speed. For each network (common/models.py): `peers("lenet")`.
+Their speed is checked against the same loops written plainly, apart from the harness (plain_peers.py):
+
+    python -m level1_pytorch.peers --check results/h100/chapter [results/h100/lenet-inference ...]
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from common.contract import check_training, n_steps
+from common.contract import check_training
 from level1_pytorch.mlp import Model
 
 # each peer by name, and its short name in the tables' columns (speedup_vs_<short> in results.json)
@@ -31,16 +34,18 @@ NAMES = {"torch-eager": "eager", "torch-graph": "graph", "torch-compile": "compi
 
 @contextmanager
 def plain_pytorch():
-    """PyTorch as a user runs it: deterministic algorithms off and cuDNN on (level 1 needs them otherwise), restored
-    afterwards."""
-    before = torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.enabled
+    """PyTorch as a user tuning for speed runs it: level 1's deterministic-algorithm mode off, cuDNN on and free to
+    pick its fastest algorithms (benchmark mode); float32 products stay float32 (no TF32, as everywhere in this
+    course). Restored afterwards."""
+    before = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.enabled,
+              torch.backends.cudnn.benchmark)
     torch.use_deterministic_algorithms(False)
-    torch.backends.cudnn.enabled = True
+    torch.backends.cudnn.enabled = torch.backends.cudnn.benchmark = True
     try:
         yield
     finally:
         torch.use_deterministic_algorithms(before[0])
-        torch.backends.cudnn.enabled = before[1]
+        torch.backends.cudnn.enabled, torch.backends.cudnn.benchmark = before[1:]
 
 
 def batch_loss(net, X_dev, y_dev, index) -> torch.Tensor:
@@ -78,18 +83,19 @@ class GraphLoop(EagerLoop):
         X_dev, y_dev = self._data.fetch(X, y, self._upload)
         order, batch_size, lr = check_training(len(X_dev), batch_size, lr, order)
         order = torch.from_numpy(order).to(self.device).long()
-        losses = torch.empty(n_steps(len(order), batch_size), device=self.device)
         full = len(order) // batch_size  # whole batches replay the graph; a final partial batch is one eager step
+        losses = []
         with self.arithmetic():
             if full:
-                graph, index, loss = self._graph(X_dev, y_dev, batch_size, float(lr))
-                for step in range(full):
-                    index.copy_(order[step * batch_size : (step + 1) * batch_size])
+                graph, batches, counter, graph_losses = self._graph(X_dev, y_dev, batch_size, float(lr), full)
+                batches.copy_(order[: full * batch_size].view(full, batch_size))
+                counter.zero_()
+                for _ in range(full):
                     graph.replay()
-                    losses[step] = loss
-            if full < len(losses):
-                losses[full] = self._step(X_dev, y_dev, order[full * batch_size :], float(lr))
-        return losses.cpu().numpy()
+                losses.append(graph_losses)
+            if full * batch_size < len(order):
+                losses.append(self._step(X_dev, y_dev, order[full * batch_size :], float(lr)).view(1))
+        return torch.cat(losses).cpu().numpy()
 
     def _step(self, X_dev, y_dev, index, lr: float) -> torch.Tensor:
         """One step, the same operations as level 1's; returns its loss (on the device)."""
@@ -104,23 +110,35 @@ class GraphLoop(EagerLoop):
     def loss(self, X_dev, y_dev, index) -> torch.Tensor:
         return batch_loss(self.net, X_dev, y_dev, index)
 
-    def _graph(self, X_dev, y_dev, batch_size: int, lr: float):
-        """The captured step for this data set, batch size and learning rate: (graph, its index input, its loss)."""
-        key = (X_dev.data_ptr(), batch_size, lr)
+    def _graph(self, X_dev, y_dev, batch_size: int, lr: float, steps: int):
+        """The captured step for this data set, batch size, learning rate and number of steps: (graph, its static
+        batches (steps, batch_size), its step counter, its losses (steps,)). The step picks its batch's row numbers
+        by the counter on the GPU and stores its loss there, so that an epoch is nothing but replays."""
+        key = (X_dev.data_ptr(), batch_size, lr, steps)
         if key not in self._graphs:
+            self._graphs = {}  # one graph at a time: each holds its own memory pool
             saved = self.state_dict()  # warming up takes real steps: undo them after the capture
-            index = torch.zeros(batch_size, dtype=torch.long, device=self.device)
+            batches = torch.zeros(steps, batch_size, dtype=torch.long, device=self.device)
+            counter = torch.zeros(1, dtype=torch.long, device=self.device)
+            losses = torch.zeros(steps, dtype=self.dtype, device=self.device)
+
+            def step():
+                loss = self._step(X_dev, y_dev, batches.index_select(0, counter).view(-1), lr)
+                losses.index_copy_(0, counter, loss.view(1))
+                counter.add_(1)
+
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # PyTorch's recipe: warm up on a side stream before capturing
                 for _ in range(3):
-                    self._step(X_dev, y_dev, index, lr)
+                    counter.zero_()
+                    step()
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                loss = self._step(X_dev, y_dev, index, lr)
+                step()
             self.load_state_dict(saved)  # copies in place: the graph keeps pointing at the parameters
-            self._graphs = {key: (graph, index, loss)}  # one graph at a time: each holds its own memory pool
+            self._graphs[key] = (graph, batches, counter, losses)
         return self._graphs[key]
 
 
@@ -168,3 +186,87 @@ def missing(name: str) -> str | None:
 
 
 Eager, Graph, Compile = torch_peers("mlp").values()  # the MLP's
+
+
+# ---- the check: the harness's peer rows against the plain loops of plain_peers.py ----
+
+
+def check(folder) -> list[str]:
+    """Time plain_peers' loops at the settings of a results folder (a training preset's, or make infer's) and compare
+    them with its peer rows; print both, return the rows that disagree by more than plain_peers.TOLERANCE."""
+    import json
+    from pathlib import Path
+
+    from level1_pytorch import plain_peers
+
+    results = json.loads((Path(folder) / "results.json").read_text())
+    if "batches" in results:  # make infer's
+        pairs = serving_pairs(results)
+    else:
+        pairs = training_pairs(results)
+    bad = []
+    print(f"{folder}: the harness's row against its plain twin (ratio = harness / plain)")
+    for name, harness, plain, unit in pairs:
+        ratio = harness / plain
+        agrees = 1 / plain_peers.TOLERANCE <= ratio <= plain_peers.TOLERANCE
+        print(f"  {name:<24} harness {harness:10.1f} {unit}   plain {plain:10.1f} {unit}   {ratio:5.2f}x"
+              f"  {'ok' if agrees else 'DISAGREE'}")
+        bad += [] if agrees else [f"{folder}: {name}"]
+    return bad
+
+
+def training_pairs(results: dict) -> list[tuple[str, float, float, str]]:
+    """(peer, harness us/step, plain us/step) at a training preset's settings."""
+    from common.compare import training_set
+    from common.data import load_mnist
+    from common.models import get
+    from level1_pytorch import plain_peers
+
+    s = results["settings"]
+    network = get(s["model"])
+    args = type("Settings", (), {**s, "repeat": True, "hidden": s.get("hidden")})
+    X, y, n = training_set(load_mnist(quiet=True), args)
+    params = network.network.init_params(s["seed"], s.get("hidden"))
+    plain = plain_peers.training_peers(s["model"], params, X, y, s["batch"], s["lr"], s.get("hidden"), s["epochs"])
+    steps = -(-n // s["batch"])
+    rows = {r["level"].removesuffix("[cuda]"): r for r in results["table"]}
+    return [(name, rows[name]["us_per_step"], 1e6 * seconds / steps, "us/step") for name, seconds in plain.items()
+            if name in rows and rows[name]["us_per_step"]]
+
+
+def serving_pairs(results: dict) -> list[tuple[str, float, float, str]]:
+    """(peer at a batch size, harness p50 us, plain p50 us) of make infer's PyTorch rows."""
+    from common.data import load_mnist, normalize
+    from common.infer import load_weights
+    from level1_pytorch import plain_peers
+
+    params = load_weights(results["weights"])
+    X = normalize(load_mnist(quiet=True).test_images)
+    pairs = []
+    for batch in results["batches"]:
+        plain = plain_peers.serving_peers(params, X[:batch], results["calls"])
+        pairs += [(f"{name}, batch {batch}", results["rows"][name]["times"][str(batch)]["p50_us"], us, "us/call")
+                  for name, us in plain.items() if name in results["rows"]]
+    return pairs
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from level1_pytorch.plain_peers import TOLERANCE
+
+    p = argparse.ArgumentParser(description="Check the harness's peer rows against the same loops written plainly.")
+    p.add_argument("--check", nargs="+", required=True, metavar="FOLDER",
+                   help="results folders: a preset of make bench (results/h100/chapter) or make infer's")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("the peers run on an NVIDIA GPU, and PyTorch sees none here")
+        return 1
+    bad = [row for folder in args.check for row in check(folder)]
+    for row in bad:
+        print(f"DISAGREE: {row}: the harness's peer and its plain twin are more than {TOLERANCE}x apart")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
