@@ -7,7 +7,8 @@
 A chapter is executed top to bottom in a fresh kernel, in its own folder, on the full MNIST. Its metadata then records
 the machine, the data set, a hash of its code cells and a hash of every repository file it used (the modules it
 imported, the sources of the native libraries they loaded, the files it showed or read: common.chapter.used_files).
-The outputs are stale when any of these changed since; the tests check it. The chapters of the GPU levels are made
+The outputs are stale when any of these changed since, or when a capture of a tool's output the chapter shows quotes a
+source that changed since it was captured (write_capture); the tests check it. The chapters of the GPU levels are made
 only on a machine with an NVIDIA GPU, and elsewhere are left as they are.
 """
 
@@ -17,6 +18,8 @@ import argparse
 import hashlib
 import json
 import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -58,7 +61,48 @@ def stale(path: Path) -> list[str]:
         why.append("a code cell changed")
     now = file_digests(list(record["files"]))
     why += [f"{f} changed" for f, d in record["files"].items() if now[f] != d]
+    for f in record["files"]:
+        why += capture_stale(ROOT / f)
     return why
+
+
+# ---- captured tool output: a tool's words about our code (valgrind, compute-sanitizer, Nsight Compute) ----
+
+SOURCES = "sources.json"  # beside the captures of a folder: the files each one quotes, and their hashes then
+_QUOTED = re.compile(r"([\w./-]+\.(?:c|cu|cuh|h|py)):\d+")  # a file named with a line number: mlp.c:296
+
+
+def quoted_files(text: str) -> set[str]:
+    """The repository files a tool's output names with a line number, by their path or by a name only one has."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    found = set()
+    for name in set(_QUOTED.findall(text)):
+        matches = [f for f in tracked if f == name or f.endswith("/" + name)]
+        if len(matches) == 1:
+            found.add(matches[0])
+    return found
+
+
+def write_capture(path: Path, text: str, sources: list[str]) -> None:
+    """Write a capture of a tool's output and record the sources it quotes (those given, and every file it names
+    with a line number) with their hashes, so that a chapter showing it is stale once one of them changes."""
+    path.write_text(text)
+    record_file = path.parent / SOURCES
+    records = json.loads(record_file.read_text()) if record_file.exists() else {}
+    records[path.name] = file_digests(sorted(set(sources) | quoted_files(text)))
+    record_file.write_text(json.dumps(dict(sorted(records.items())), indent=1) + "\n")
+
+
+def capture_stale(path: Path) -> list[str]:
+    """Why a capture no longer matches the code it quotes (empty for a current one, or for a file that is no
+    capture)."""
+    record_file = path.parent / SOURCES
+    if path.name == SOURCES or not record_file.is_file():
+        return []
+    sources = json.loads(record_file.read_text()).get(path.name, {})
+    now = file_digests(list(sources))
+    shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    return [f"{shown} quotes {f}, which changed since it was captured" for f, d in sources.items() if now[f] != d]
 
 
 def machine_name() -> str:

@@ -4,7 +4,8 @@
 
 Each bug is planted in a scratch copy of the repository (tests/plant_bugs.py's scratch_copy), where
 `make check-memory` runs tests/check_memory.c - every function of mlp.h, a thousand models - under valgrind
-and then under AddressSanitizer + UBSan. The files keep the tools' own words, trimmed to the reports.
+and then under AddressSanitizer + UBSan. The files keep the tools' own words, trimmed to the reports; results/memory/sources.json records the sources they quote
+(common.book.write_capture), so the chapter that shows them is stale once one of those changes.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import shutil
 import subprocess
 import sys
 
+from common.book import write_capture
 from common.levels import ROOT
 
 spec = importlib.util.spec_from_file_location("plant_bugs", ROOT / "tests" / "plant_bugs.py")
@@ -47,8 +49,9 @@ def main() -> int:
         assert text.count(good) == 1, f"level4_c/mlp.c changed: cannot plant '{what}'"
         path.write_text(text.replace(good, bad))
         run = subprocess.run(["make", "check-memory"], cwd=repo, capture_output=True, text=True)
-        (folder / name).write_text(f"planted in level4_c/mlp.c: {what}\n  {good.strip()!r}\n  -> {bad.strip()!r}\n"
-                                   f"make check-memory: exit status {run.returncode}\n\n{report(run.stdout + run.stderr)}")
+        text = (f"planted in level4_c/mlp.c: {what}\n  {good.strip()!r}\n  -> {bad.strip()!r}\n"
+                f"make check-memory: exit status {run.returncode}\n\n{report(run.stdout + run.stderr)}")
+        write_capture(folder / name, text, ["level4_c/mlp.c", "tests/check_memory.c"])
         shutil.rmtree(repo.parent)
         print(f"{name}: make check-memory exit status {run.returncode}")
     return 0

@@ -15,7 +15,8 @@ What it records, each into a text file the level 5 chapter shows:
   ceilings.json    this GPU's measured FP32 matrix-product rate and device-memory bandwidth, the ceilings beside
                    every GFLOP/s figure of the chapters.
 The bugs are planted in scratch copies of the repository (tests/plant_bugs.py's scratch_copy); nothing here changes
-the working tree.
+the working tree. sources.json records the sources each capture quotes (common.book.write_capture), so the chapter that
+shows them is stale once one of those changes.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import sys
 import time
 from pathlib import Path
 
+from common.book import write_capture
 from common.levels import ROOT
 
 spec = importlib.util.spec_from_file_location("plant_bugs", ROOT / "tests" / "plant_bugs.py")
@@ -47,6 +49,7 @@ y = rng.integers(0, 10, 200)
 model = level5_cuda_naive.MLP(init_params(0, 37))
 print("losses of the first steps:", model.train_epoch(X, y, 13, 0.1)[:4])
 """
+LEVEL5 = ["level5_cuda_naive/mlp.cu", "common/cuda_mlp.cuh"]  # the sources of what SCRIPT runs
 RACE = ("        if (t < half) partial[t] += partial[t + half];\n        __syncthreads();\n",
         "        if (t < half) partial[t] += partial[t + half];\n")
 FAR_WRITE = ("    out[(size_t)r * n_out + o] = sum;\n", "    out[(size_t)r * n_out + o + ((size_t)1 << 34)] = sum;\n")
@@ -81,15 +84,15 @@ def sanitizer_report(tool: str, repo: Path) -> str:
 def capture_sanitizers(folder: Path) -> None:
     bug = next(b for b in plant_bugs.BUGS if b[0] == 5 and "bounds check" in b[4])
     repo = planted(bug[1], bug[2], bug[3])
-    (folder / "memcheck.txt").write_text(
-        f"planted in {bug[1]}: {bug[2]!r} -> {bug[3]!r} ({bug[4]})\n\n"
-        f"without the tool:\n{run([sys.executable, '-c', SCRIPT], repo)}\n"
-        f"compute-sanitizer --tool memcheck:\n{sanitizer_report('memcheck', repo)}")
+    write_capture(folder / "memcheck.txt",
+                  f"planted in {bug[1]}: {bug[2]!r} -> {bug[3]!r} ({bug[4]})\n\n"
+                  f"without the tool:\n{run([sys.executable, '-c', SCRIPT], repo)}\n"
+                  f"compute-sanitizer --tool memcheck:\n{sanitizer_report('memcheck', repo)}", [bug[1], *LEVEL5])
     shutil.rmtree(repo.parent)
     repo = planted("common/cuda_mlp.cuh", *RACE)
-    (folder / "racecheck.txt").write_text(
-        "planted in common/cuda_mlp.cuh, mean_loss_kernel: the __syncthreads() after each halving removed\n\n"
-        f"compute-sanitizer --tool racecheck:\n{sanitizer_report('racecheck', repo)}")
+    write_capture(folder / "racecheck.txt",
+                  "planted in common/cuda_mlp.cuh, mean_loss_kernel: the __syncthreads() after each halving removed\n\n"
+                  f"compute-sanitizer --tool racecheck:\n{sanitizer_report('racecheck', repo)}", LEVEL5)
     shutil.rmtree(repo.parent)
 
 
@@ -99,7 +102,7 @@ def capture_async_error(folder: Path) -> None:
     for env in ({}, {"CUDA_LAUNCH_BLOCKING": "1"}):
         error = [line for line in run([sys.executable, "-c", SCRIPT], repo, env).splitlines() if "NativeError" in line]
         lines.append(f"\n{' '.join(f'{k}={v}' for k, v in env.items()) or 'by default'}:\n" + "\n".join(error[-1:]))
-    (folder / "async_error.txt").write_text("\n".join(lines) + "\n")
+    write_capture(folder / "async_error.txt", "\n".join(lines) + "\n", LEVEL5)
     shutil.rmtree(repo.parent)
 
 
@@ -135,7 +138,8 @@ def capture_timeline(folder: Path) -> None:
         lines.append(f"first start to last end {end - t0:.1f} us, of which the GPU computed {busy:.1f} us\n")
     nsys = shutil.which("nsys")
     lines.append(f"Nsight Systems: {'found at ' + nsys if nsys else 'not on this machine (torch.profiler reads the same CUPTI timestamps)'}")
-    (folder / "timeline.txt").write_text("\n".join(lines) + "\n")
+    write_capture(folder / "timeline.txt", "\n".join(lines) + "\n",
+                  ["level6_cublas/mlp.cu", "level7_fused/mlp.cu", "common/cuda_mlp.cuh"])
 
 
 def capture_ncu(folder: Path) -> None:
@@ -157,7 +161,7 @@ def capture_ncu(folder: Path) -> None:
                       "-c", script.format(n=n, pkg=pkg)], ROOT)
         out.append(f"\n--- level {n}: {kernel} ---")
         out += [line for line in report.splitlines() if "==PROF==" not in line and line.strip()][-12:]
-    (folder / "ncu.txt").write_text("\n".join(out) + "\n")
+    write_capture(folder / "ncu.txt", "\n".join(out) + "\n", [*LEVEL5, "level6_cublas/mlp.cu"])
 
 
 def capture_ceilings(folder: Path) -> None:

@@ -94,8 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(table(profile(batch), batch) for batch in batches)
     print(text)
     if args.out:
+        from common.book import write_capture
+
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+        write_capture(args.out, text, ["level5_cuda_naive/lenet.cu", "common/cuda_lenet.cuh"])
     return 0
 
 

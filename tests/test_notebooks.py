@@ -113,3 +113,27 @@ def test_exercises_name_code_that_exists(path: Path):
             lines = {line.strip() for line in source.splitlines()}
             assert target["line"].strip() in lines, (f"{path.relative_to(ROOT)}: {target['file']}'s {target['name']} has "
                                                      f"no line `{target['line']}`")
+
+
+def test_a_capture_is_stale_once_a_source_it_quotes_changes(tmp_path):
+    """A tool's output names our files by line (valgrind's `mlp.c:296`); the capture records those files' hashes, and
+    a chapter showing it is stale once one changes (as if mlp.c had changed since: its recorded hash is altered)."""
+    capture = tmp_path / "leak.txt"
+    book.write_capture(capture, "==1==    by 0x10AE7D: mlp_set_data (mlp.c:296)\nat cuda_mlp.cuh:547\n",
+                       ["tests/check_memory.c"])
+    sources = json.loads((tmp_path / book.SOURCES).read_text())["leak.txt"]
+    assert set(sources) == {"level4_c/mlp.c", "common/cuda_mlp.cuh", "tests/check_memory.c"}
+    assert book.capture_stale(capture) == []
+    (tmp_path / book.SOURCES).write_text(json.dumps({"leak.txt": {**sources, "level4_c/mlp.c": "0" * 16}}))
+    assert book.capture_stale(capture) == [f"{capture} quotes level4_c/mlp.c, which changed since it was captured"]
+
+
+def test_every_committed_capture_quotes_the_current_sources():
+    """Every capture with a record (results/**/sources.json) was taken from the sources as they are now."""
+    if (ROOT / MARKER).exists():
+        pytest.skip("the student edition has no results/")
+    captures = [record.parent / name for record in ROOT.glob("results/**/" + book.SOURCES)
+                for name in json.loads(record.read_text())]
+    assert captures, "no capture records its sources"
+    stale = [why for capture in captures for why in book.capture_stale(capture)]
+    assert not stale, "; ".join(stale) + ": capture them again (level4_c/memory.py, level5_cuda_naive/debugging.py)"

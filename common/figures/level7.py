@@ -53,36 +53,22 @@ def ownership(blocks: int = 16, units: int = 16, hidden: int = 256, n_in: int = 
     return fig
 
 
-def step_timeline(phases: list[tuple[str, float]], title: str, blocks: int = 4, seed: int = 0):
-    """One step of level 7 as a timeline per block: the measured phases of block 0 (microseconds), the other blocks
-    finishing their shares a little earlier or later, and everyone going on once the last share has arrived."""
-    rng = np.random.default_rng(seed)
-    fig, ax = plt.subplots(figsize=(9, 0.55 * blocks + 1.6))
-    durations = dict(phases)
-    before = [p for p in phases if p[0] in ("start of the step", "forward", "share of the logits")]
-    after = [p for p in phases if p not in before and p[0] != WAIT]
-    # Block 0's wait is the measured one; the other blocks send their shares a little earlier or later.
-    release = sum(d for _, d in before) + durations.get(WAIT, 0)
-    ready = [sum(d for _, d in before) * (1 + (0 if b == 0 else rng.uniform(-0.15, 0.15))) for b in range(blocks)]
-    ready = [min(r, release) for r in ready]
-    for b in range(blocks):
-        t = 0.0
-        scale = ready[b] / sum(d for _, d in before)
-        for name, d in before:
-            ax.barh(b, d * scale, left=t, color=PHASE_COLORS.get(name, MUTED), edgecolor="white")
-            t += d * scale
-        ax.barh(b, release - t, left=t, color=PHASE_COLORS[WAIT], edgecolor="white", alpha=0.6)
-        t = release
-        for name, d in after:
-            ax.barh(b, d, left=t, color=PHASE_COLORS.get(name, MUTED), edgecolor="white")
-            t += d
-    ax.set_yticks(range(blocks), [f"block {b}" for b in range(blocks)])
-    ax.invert_yaxis()
+def step_timeline(phases: list[tuple[str, float]], title: str):
+    """One step of level 7 as a timeline of block 0's measured phases (microseconds, in the order they run). Only
+    block 0 is measured: the other blocks run the same phases on their own units."""
+    fig, ax = plt.subplots(figsize=(9, 2.2))
+    t = 0.0
+    for name, d in phases:
+        ax.barh(0, d, left=t, color=PHASE_COLORS.get(name, MUTED), edgecolor="white",
+                alpha=0.6 if name == WAIT else 1.0)
+        t += d
+    ax.set_yticks([0], ["block 0"])
     ax.set_xlabel("microseconds into the step")
     ax.set_title(title, fontsize=10)
+    durations = dict(phases)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for n, c in PHASE_COLORS.items() if n in durations]
     ax.legend(handles, [n for n in PHASE_COLORS if n in durations], fontsize=7, ncol=4, loc="upper center",
-              bbox_to_anchor=(0.5, -0.35), frameon=False)
+              bbox_to_anchor=(0.5, -0.55), frameon=False)
     fig.tight_layout()
     return fig
 
