@@ -179,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--presets", default=None, help=f"comma-separated, from {list(PRESETS)} (default: all this "
                    "machine can run)")
     p.add_argument("--levels", default=None, help="comma-separated level numbers (default: all this machine can run)")
-    p.add_argument("--rounds", type=int, default=ROUNDS, help="how many times each row is timed (common.compare --rounds)")
+    p.add_argument("--rounds", type=int, default=ROUNDS,
+                   help="how many times each row is timed (common.compare --rounds)")
     p.add_argument("--report", action="store_true", help="only rewrite README.md's results block")
     args = p.parse_args(argv)
     if args.report:

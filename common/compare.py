@@ -91,7 +91,8 @@ def factory(lv: Level, device: str, model: str = "mlp", **options) -> Callable:
 
 def mismatch(asked: dict, ran: dict) -> str | None:
     """Why a model did not run what was asked of it (a device or an option it reports otherwise), or None."""
-    wrong = [f"{key} {value!r} asked for, {ran.get(key)!r} ran" for key, value in asked.items() if ran.get(key) != value]
+    wrong = [f"{key} {value!r} asked for, {ran.get(key)!r} ran" for key, value in asked.items()
+             if ran.get(key) != value]
     return "; ".join(wrong) or None
 
 
@@ -254,6 +255,10 @@ def _times(r: dict) -> str:
     return f"{r['us_per_step']:.1f}" + (f" ({low:.1f}-{high:.1f})" if r["rounds"] > 1 else "")
 
 
+def _verdict(r: dict) -> str:
+    return "ok" if r["agrees"] else ("DIVERGED" if "diverged" in (r["failure"] or "") else "FAIL")
+
+
 def _number(value, spec: str, suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
@@ -277,7 +282,7 @@ def table(rows: list[dict], markdown: bool = False) -> str:
         ("lockstep", 9, lambda r: _number(r["lockstep_used"], ".2f")),
         ("ties", 5, lambda r: _number(r["ties"], "d")),
         ("free run", 9, lambda r: _number(r["free_run_used"], ".2f")),
-        ("check", -9, lambda r: "ok" if r["agrees"] else ("DIVERGED" if "diverged" in (r["failure"] or "") else "FAIL")),
+        ("check", -9, _verdict),
     ]
     cells = [[cell(r) for _, _, cell in columns] for r in rows]
     if markdown:

@@ -556,6 +556,31 @@ int mlp_loss_and_grads(mlp *m, float *loss, float *dw1, float *db1, float *dw2, 
     return MLP_OK;
 }
 
+/* The layers of forward_backward: the device buffers h, a, logits and their gradients, copied out. (Level 7 keeps
+ * these on chip in its fused epoch; its layers are those of level 6's kernels, which it runs outside that epoch.) */
+int mlp_layers(mlp *m, float *outputs, float *grads, const float *x, const int *y, int n) {
+    if (!m || !outputs || !grads || !x || !y) return FAIL(MLP_ERR_ARG, "NULL argument");
+    if (n < 1) return FAIL(MLP_ERR_ARG, "n must be >= 1, got %d", n);
+    int status = check_labels(y, n, m->n_out);
+    if (!status) status = ensure_capacity(m, n);
+    if (!status) status = ensure_buffer(&m->losses, &m->loss_capacity, 1);
+    if (status) return status;
+    CUDA_CHECK(cudaMemcpyAsync(m->x, x, sizeof(float) * (size_t)n * m->n_in, cudaMemcpyHostToDevice, m->stream));
+    CUDA_CHECK(cudaMemcpyAsync(m->y, y, sizeof(int) * (size_t)n, cudaMemcpyHostToDevice, m->stream));
+    status = forward_backward(m, m->losses, m->x, m->y, n);
+    if (status) return status;
+    const size_t hidden = (size_t)n * m->hidden, out = (size_t)n * m->n_out;
+    const float *layers[3][2] = {{m->h, m->dh}, {m->a, m->da}, {m->logits, m->dlogits}}; /* (output, gradient) */
+    const size_t offsets[3] = {0, hidden, 2 * hidden}, sizes[3] = {hidden, hidden, out};
+    const cudaMemcpyKind down = cudaMemcpyDeviceToHost;
+    for (int i = 0; i < 3; i++) {
+        CUDA_CHECK(cudaMemcpyAsync(outputs + offsets[i], layers[i][0], sizeof(float) * sizes[i], down, m->stream));
+        CUDA_CHECK(cudaMemcpyAsync(grads + offsets[i], layers[i][1], sizeof(float) * sizes[i], down, m->stream));
+    }
+    CUDA_CHECK(cudaStreamSynchronize(m->stream));
+    return MLP_OK;
+}
+
 /* One upload, then every epoch gathers its batches on the device: the training set never crosses
  * the PCIe bus again. */
 int mlp_set_data(mlp *m, const float *x, const int *y, int n) {

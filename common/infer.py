@@ -284,9 +284,10 @@ def markdown(results: dict) -> str:
         lines.append(line)
     flops, weights = lenet.forward_flops(1), 4 * sum(int(np.prod(s)) for s in lenet.SHAPES.values())
     per_batch = "; ".join(f"batch {b}: {flops * b / 1e6:,.1f} MFLOP" for b in batches)
-    lines += ["", f"p50: the median of {ROUNDS} rounds over the rows, each the median of {results['calls']:,} calls, with "
-              f"the rounds' range; a row whose rounds are more than {STEADY_RATIO}x apart is shown unsteady and not "
-              "compared. Per layer: the worst layer's share of its allowance (at most 1). GPU µs: the GPU's own work per call "
+    lines += ["", f"p50: the median of {ROUNDS} rounds over the rows, each the median of {results['calls']:,} calls, "
+              f"with the rounds' range; a row whose rounds are more than {STEADY_RATIO}x apart is shown unsteady and "
+              "not compared. Per layer: the worst layer's share of its allowance (at most 1). GPU µs: the GPU's own "
+              "work per call "
               "(kernels and copies, by the profiler); the rest of p50 is launching, waiting and the gaps between "
               f"kernels. The floor of a call: {flops / 1e6:.2f} MFLOP per image, and reading the {weights / 1e3:.0f} KB "
               f"of weights and {4 * 784 / 1e3:.1f} KB per image ({per_batch})."]

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from common import lenet
-from common.verify import FLOOR, YARDSTICK, U, _norm, gamma
+from common import lenet, verify
+from common.verify import gamma
 
 RELUS = {"relu1": ("conv1", 1 * 25 + 1), "relu2": ("conv2", 6 * 25 + 1), "relu3": ("fc1", 256 + 1),
          "relu4": ("fc2", 120 + 1)}  # each ReLU: the layer before it, and the terms of each of that layer's sums
@@ -170,20 +170,18 @@ def _found(layer: str, where: torch.Tensor, margin: torch.Tensor, bound: torch.T
             for f, row, *position, m, b, e in zip(flat.tolist(), *index, *columns)]
 
 
-# ---- the per-layer check ----
+# ---- the per-layer check (common/verify.py's rule), with LeNet-5's layers ----
 
 FORWARD = ("conv1", "relu1", "pool1", "conv2", "relu2", "pool2", "fc1", "relu3", "fc2", "relu4", "fc3")
 EXACT = ("relu1", "pool1", "relu2", "pool2", "relu3", "relu4")  # no rounding: given the same input, the same output
 
 
-def layer_references(params: dict, x: np.ndarray, y: np.ndarray | None, outputs: dict, grads: dict | None):
-    """For each layer, from an implementation's own inputs to it: its output and the gradient of its input, in
-    float64. outputs and grads: the implementation's, by layer (lenet.ACTIVATIONS); grads None: the outputs only."""
+def layer_ops(params: dict, x: np.ndarray, outputs: dict) -> dict:
+    """Each layer in float64 as (its function, its input: the implementation's own output of the layer before)."""
     p = {k: torch.tensor(np.asarray(v, dtype=np.float64)) for k, v in params.items()}
     t = {k: torch.tensor(np.asarray(v, dtype=np.float64)) for k, v in outputs.items()}
-    g = {k: torch.tensor(np.asarray(v, dtype=np.float64)) for k, v in (grads or {}).items()}
     image = torch.tensor(np.asarray(x, dtype=np.float64)).reshape(-1, 1, lenet.IMAGE, lenet.IMAGE)
-    ops = {
+    return {
         "conv1": (lambda a: F.conv2d(a, p["conv1.weight"], p["conv1.bias"]), image),
         "relu1": (torch.relu, t["conv1"]), "pool1": (lambda a: F.max_pool2d(a, 2), t["relu1"]),
         "conv2": (lambda a: F.conv2d(a, p["conv2.weight"], p["conv2.bias"]), t["pool1"]),
@@ -192,56 +190,19 @@ def layer_references(params: dict, x: np.ndarray, y: np.ndarray | None, outputs:
         "relu3": (torch.relu, t["fc1"]), "fc2": (lambda a: F.linear(a, p["fc2.weight"], p["fc2.bias"]), t["relu3"]),
         "relu4": (torch.relu, t["fc2"]), "fc3": (lambda a: F.linear(a, p["fc3.weight"], p["fc3.bias"]), t["relu4"]),
     }
-    forward, backward = {}, {}
-    for name, (op, given) in ops.items():
-        leaf = given.clone().requires_grad_(name != "conv1" and grads is not None)
-        out = op(leaf)
-        forward[name] = out.detach().numpy()
-        if name != "conv1" and grads is not None:  # its input's gradient, from the implementation's of its output
-            out.backward(g[name])
-            backward[name] = leaf.grad.numpy()
-    if grads is None:
-        return forward, backward
-    logits = t["fc3"].clone().requires_grad_()
-    F.cross_entropy(logits, torch.tensor(np.asarray(y, dtype=np.int64))).backward()
-    backward["loss"] = logits.grad.numpy()
-    return forward, backward
+
+
+def layer_references(params: dict, x: np.ndarray, y: np.ndarray | None, outputs: dict, grads: dict | None):
+    """common.verify.layer_references with LeNet-5's layers."""
+    return verify.layer_references(layer_ops(params, x, outputs), outputs["fc3"], y, grads)
 
 
 def per_layer(level_layers: tuple[dict, dict], reference_layers: tuple[dict, dict], params: dict, x: np.ndarray,
               y: np.ndarray) -> tuple[dict[str, float], str | None]:
-    """Every layer of a level against float64 from its own inputs, forward and backward, by lockstep's rule: at most
-    YARDSTICK times as far as level 1's layer from float64 of level 1's inputs, plus the rounding of the result
-    (2u), and at least FLOOR u of its size; a ReLU or a max-pool exactly. Returns each check's share of its
-    allowance (names: the layer's output, or "d<layer>" the gradient of its input) and the first failure."""
-    mine, theirs = (layer_references(params, x, y, *layers) for layers in (level_layers, reference_layers))
-    (outputs, grads), (ref_outputs, ref_grads) = level_layers, reference_layers
-    previous = {name: FORWARD[i - 1] for i, name in enumerate(FORWARD) if i}
-    checks = [(name, outputs[name], mine[0][name], ref_outputs[name], theirs[0][name], name in EXACT)
-              for name in FORWARD]
-    checks += [(f"d{name}", grads[previous[name]], mine[1][name], ref_grads[previous[name]], theirs[1][name],
-                name in EXACT) for name in FORWARD if name in previous]
-    checks.append(("dloss", grads["fc3"], mine[1]["loss"], ref_grads["fc3"], theirs[1]["loss"], False))
-    return _judge(checks)
+    """common.verify.per_layer with LeNet-5's layers: each check's share of its allowance, and the first failure."""
+    return verify.per_layer(layer_ops, FORWARD, EXACT, level_layers, reference_layers, params, x, y)
 
 
 def per_layer_forward(outputs: dict, reference_outputs: dict, params: dict, x: np.ndarray):
-    """per_layer's forward half, for inference (no labels, no gradients): every layer's output against float64 from
-    the implementation's own inputs, allowed YARDSTICK times the reference's distance (PyTorch's) and the rest."""
-    mine, theirs = (layer_references(params, x, None, layers, None)[0] for layers in (outputs, reference_outputs))
-    return _judge([(name, outputs[name], mine[name], reference_outputs[name], theirs[name], name in EXACT)
-                   for name in FORWARD])
-
-
-def _judge(checks: list[tuple]) -> tuple[dict[str, float], str | None]:
-    """Each check (name, got, its float64, the reference's got, its float64, exact op) against its allowance."""
-    shares, failure = {}, None
-    for name, got, exact, ref_got, ref_exact, exact_op in checks:
-        distance, own = _norm(got - exact), _norm(ref_got - ref_exact)
-        allowed = 0.0 if exact_op else YARDSTICK * own + (2 + FLOOR) * U * _norm(exact)
-        shares[name] = distance / allowed if allowed else (0.0 if distance == 0 else float("inf"))
-        if shares[name] > 1 and failure is None:
-            what = f"{name[1:]}'s input gradient" if name.startswith("d") else f"{name}'s output"
-            failure = (f"per layer: {what} is {distance:.3g} from float64 of the level's own inputs; level 1's is "
-                       f"{own:.3g} ({allowed:.3g} allowed)")
-    return shares, failure
+    """common.verify.per_layer_forward with LeNet-5's layers (inference: no labels, no gradients)."""
+    return verify.per_layer_forward(layer_ops, FORWARD, EXACT, outputs, reference_outputs, params, x)

@@ -52,6 +52,11 @@ int mlp_forward(mlp *m, float *logits, const float *x, int n);
 int mlp_loss_and_grads(mlp *m, float *loss, float *dw1, float *db1, float *dw2, float *db2,
                        const float *x, const int *y, int n);
 
+/* Every layer's output for a batch, and the gradient of the mean loss with respect to it, for the verifier's
+ * per-layer check: outputs and grads (n * (2 * hidden + 10)) hold fc1 (n, hidden), its ReLU (n, hidden) and fc2
+ * (n, 10), one after the other (common.model.ACTIVATIONS). Parameters unchanged. */
+int mlp_layers(mlp *m, float *outputs, float *grads, const float *x, const int *y, int n);
+
 /* Copy a training set into the model (on a GPU: upload it once, for many epochs). */
 int mlp_set_data(mlp *m, const float *x, const int *y, int n);
 

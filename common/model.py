@@ -20,6 +20,20 @@ def param_shapes(hidden: int = HIDDEN) -> dict[str, tuple[int, ...]]:
     }
 
 
+def activations(hidden: int = HIDDEN) -> dict[str, tuple[int, ...]]:
+    """The activations of one image, in the order of the forward pass: what each level's layers() returns."""
+    return {"fc1": (hidden,), "relu1": (hidden,), "fc2": (N_OUT,)}
+
+
+def split_layers(flat: np.ndarray, n: int, hidden: int) -> dict[str, np.ndarray]:
+    """mlp_layers' buffer of n images: each layer's (n, its size), layer after layer."""
+    out, start = {}, 0
+    for name, (size,) in activations(hidden).items():
+        out[name] = flat[start : start + n * size].reshape(n, size)
+        start += n * size
+    return out
+
+
 def init_params(seed: int, hidden: int = HIDDEN) -> dict[str, np.ndarray]:
     """W ~ U(-sqrt(2/fan_in), +sqrt(2/fan_in)), b = 0; drawn once here and handed to every level.
 

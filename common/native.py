@@ -230,6 +230,18 @@ class NativeModel:
 class NativeMLP(NativeModel):
     """The MLP over mlp.h: four pointers for the four parameters."""
 
+    def layers(self, X: np.ndarray, y: np.ndarray) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """Every layer's output for a batch, and the gradient of the batch's mean loss with respect to each."""
+        X = check_X(X)
+        y = check_y(y, len(X))
+        self._check_rows(len(X))
+        size = len(X) * (2 * self.hidden + N_OUT)
+        outputs, grads = (np.empty(size, dtype=np.float32) for _ in range(2))
+        with self._lock:
+            self._check(self.lib.mlp_layers(self._handle(), _ptr(outputs, "float[]"), _ptr(grads, "float[]"),
+                                            _ptr(X, "float[]"), _ptr(y, "int[]"), len(X)))
+        return (model.split_layers(outputs, len(X), self.hidden), model.split_layers(grads, len(X), self.hidden))
+
     def _create(self, handle) -> int:
         return self.lib.mlp_create(handle, N_IN, self.hidden, N_OUT)
 

@@ -357,6 +357,95 @@ def lockstep(models: dict, params, X, y, orders: list[np.ndarray], batch: int, l
     return run.records, run.reference_diverged
 
 
+# ---- the per-layer check: where a step went wrong ----
+# Each layer is given the level's own input to it and recomputed alone in float64, forward and backward, so an error
+# is blamed on the layer that made it, not on the ones after it. The rule is lockstep's: at most YARDSTICK times as
+# far from float64 as level 1's layer is (from float64 of level 1's own inputs), plus the rounding of the result
+# (2u of its size) and the floor of FLOOR u of its size; a ReLU or a max-pool, which do no arithmetic, exactly.
+# A network gives its layers as ops: name -> (its float64 function, its input: the level's output of the layer
+# before), in the forward order (MLP_LAYERS below; LeNet-5's in common/lenet_verify.py). The checks, by name: each
+# layer's output; "d<layer>", the gradient of each layer's input but the first's (the pixels have none); "dloss",
+# the gradient of the loss with respect to the logits.
+
+MLP_LAYERS = ("fc1", "relu1", "fc2")
+MLP_EXACT = ("relu1",)
+
+
+def mlp_layer_ops(params: dict, x: np.ndarray, outputs: dict) -> dict:
+    """The MLP's layers in float64 as (function, the level's own input to it)."""
+    p = {k: torch.tensor(np.asarray(v, dtype=np.float64)) for k, v in params.items()}
+    t = {k: torch.tensor(np.asarray(v, dtype=np.float64)) for k, v in outputs.items()}
+    return {"fc1": (lambda a: F.linear(a, p["fc1.weight"], p["fc1.bias"]), torch.tensor(np.asarray(x, np.float64))),
+            "relu1": (torch.relu, t["fc1"]), "fc2": (lambda a: F.linear(a, p["fc2.weight"], p["fc2.bias"]), t["relu1"])}
+
+
+def layer_references(ops: dict, logits: np.ndarray | None, y: np.ndarray | None, grads: dict | None):
+    """For each layer of `ops`, from the level's own inputs to it: its output in float64 and, given the level's
+    gradients (grads, by layer), the gradient of its input from the level's gradient of its output; "loss": the
+    gradient of the loss with respect to the level's logits, for labels y. grads None: the outputs only."""
+    g = {k: torch.tensor(np.asarray(v, dtype=np.float64)) for k, v in (grads or {}).items()}
+    first = next(iter(ops))
+    forward, backward = {}, {}
+    for name, (op, given) in ops.items():
+        leaf = given.clone().requires_grad_(name != first and grads is not None)
+        out = op(leaf)
+        forward[name] = out.detach().numpy()
+        if name != first and grads is not None:
+            out.backward(g[name])
+            backward[name] = leaf.grad.numpy()
+    if grads is not None:
+        leaf = torch.tensor(np.asarray(logits, dtype=np.float64), requires_grad=True)
+        F.cross_entropy(leaf, torch.tensor(np.asarray(y, dtype=np.int64))).backward()
+        backward["loss"] = leaf.grad.numpy()
+    return forward, backward
+
+
+def per_layer(layer_ops, order: tuple[str, ...], exact_layers: tuple[str, ...], level_layers: tuple[dict, dict],
+              reference_layers: tuple[dict, dict], params: dict, x: np.ndarray, y: np.ndarray):
+    """Every layer of a level (layers(): outputs and gradients, by layer) against float64 from its own inputs,
+    forward and backward, by the rule above, level 1's layers (reference_layers) giving the yardstick. Returns each
+    check's share of its allowance and the first failure (or None)."""
+    (outputs, grads), (ref_outputs, ref_grads) = level_layers, reference_layers
+    mine, theirs = (layer_references(layer_ops(params, x, out), out[order[-1]], y, g)
+                    for out, g in (level_layers, reference_layers))
+    previous = dict(zip(order[1:], order))
+    checks = [(name, outputs[name], mine[0][name], ref_outputs[name], theirs[0][name], name in exact_layers)
+              for name in order]
+    checks += [(f"d{name}", grads[previous[name]], mine[1][name], ref_grads[previous[name]], theirs[1][name],
+                name in exact_layers) for name in order[1:]]
+    checks.append(("dloss", grads[order[-1]], mine[1]["loss"], ref_grads[order[-1]], theirs[1]["loss"], False))
+    return _judge(checks)
+
+
+def per_layer_forward(layer_ops, order: tuple[str, ...], exact_layers: tuple[str, ...], outputs: dict,
+                      reference_outputs: dict, params: dict, x: np.ndarray):
+    """per_layer's forward half, for inference (no labels, no gradients): every layer's output."""
+    mine, theirs = (layer_references(layer_ops(params, x, out), None, None, None)[0]
+                    for out in (outputs, reference_outputs))
+    return _judge([(name, outputs[name], mine[name], reference_outputs[name], theirs[name], name in exact_layers)
+                   for name in order])
+
+
+def mlp_per_layer(level_layers: tuple[dict, dict], reference_layers: tuple[dict, dict], params: dict, x: np.ndarray,
+                  y: np.ndarray):
+    """per_layer with the MLP's layers."""
+    return per_layer(mlp_layer_ops, MLP_LAYERS, MLP_EXACT, level_layers, reference_layers, params, x, y)
+
+
+def _judge(checks: list[tuple]) -> tuple[dict[str, float], str | None]:
+    """Each check (name, got, its float64, the reference's got, its float64, exact op) against its allowance."""
+    shares, failure = {}, None
+    for name, got, exact, ref_got, ref_exact, exact_op in checks:
+        distance, own = _norm(got - exact), _norm(ref_got - ref_exact)
+        allowed = 0.0 if exact_op else YARDSTICK * own + (2 + FLOOR) * U * _norm(exact)
+        shares[name] = _share(distance, allowed)
+        if shares[name] > 1 and failure is None:
+            what = f"{name[1:]}'s input gradient" if name.startswith("d") else f"{name}'s output"
+            failure = (f"per layer: {what} is {distance:.3g} from float64 of the level's own inputs; level 1's is "
+                       f"{own:.3g} ({allowed:.3g} allowed)")
+    return shares, failure
+
+
 # ---- 2. the free run ----
 
 # Once a ReLU tie sends them different ways, two correct float32 runs are two different SGD trajectories

@@ -32,9 +32,18 @@ def linear(p: dict, name: str, a):
     return a @ p[f"{name}.weight"].T + p[f"{name}.bias"]
 
 
+def mlp_outputs(p: dict, x, probes: dict | None = None) -> dict:
+    """784 -> hidden (ReLU) -> 10, every layer's output; `probes` as lenet_outputs' (below)."""
+    outputs = {}
+    outputs["fc1"] = linear(p, "fc1", x) + (probes["fc1"] if probes else 0)
+    outputs["relu1"] = jax.nn.relu(outputs["fc1"]) + (probes["relu1"] if probes else 0)
+    outputs["fc2"] = linear(p, "fc2", outputs["relu1"]) + (probes["fc2"] if probes else 0)
+    return outputs
+
+
 def mlp_logits(p: dict, x):
     """784 -> hidden (ReLU) -> 10."""
-    return linear(p, "fc2", jax.nn.relu(linear(p, "fc1", x)))
+    return mlp_outputs(p, x)["fc2"]
 
 
 def conv(p: dict, name: str, a):
@@ -103,14 +112,17 @@ value_and_grads = jax.jit(jax.value_and_grad(mean_loss, argnums=1), static_argnu
 logits = jax.jit(lambda logits_of, p, x: logits_of(p, x), static_argnums=0)
 
 
-@jax.jit
-def lenet_layers(p: dict, x, y) -> tuple[dict, dict]:
-    """LeNet-5's layer outputs for a batch, and the mean loss's gradient with respect to each."""
+def layer_outputs(outputs_of, p: dict, x, y) -> tuple[dict, dict]:
+    """A network's layer outputs for a batch, and the mean loss's gradient with respect to each (outputs_of: the
+    network's function of (parameters, x, probes) -> every layer's output, the last the logits)."""
     def loss(probes):
-        return cross_entropy(lenet_outputs(p, x, probes)["fc3"], y)
+        return cross_entropy(list(outputs_of(p, x, probes).values())[-1], y)
 
-    zeros = {name: jnp.zeros(out.shape, out.dtype) for name, out in lenet_outputs(p, x).items()}
-    return lenet_outputs(p, x), jax.grad(loss)(zeros)
+    zeros = {name: jnp.zeros(out.shape, out.dtype) for name, out in outputs_of(p, x).items()}
+    return outputs_of(p, x), jax.grad(loss)(zeros)
+
+
+layer_outputs = jax.jit(layer_outputs, static_argnums=0)
 
 
 class JaxScan:
@@ -118,6 +130,7 @@ class JaxScan:
 
     network = model
     logits_of = staticmethod(mlp_logits)
+    outputs_of = staticmethod(mlp_outputs)
 
     def __init__(self, params: dict[str, np.ndarray], device: str = "cuda"):
         if device not in ("cpu", "cuda"):
@@ -159,6 +172,12 @@ class JaxScan:
     def forward(self, X: np.ndarray) -> np.ndarray:
         return np.array(logits(self.logits_of, self._params, self._put(check_X(X))))
 
+    def layers(self, X: np.ndarray, y: np.ndarray) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """Every layer's output for a batch, and the gradient of the batch's mean loss with respect to each."""
+        X = check_X(X)
+        outputs, grads = layer_outputs(self.outputs_of, self._params, self._put(X), self._put(check_y(y, len(X))))
+        return ({k: np.array(v) for k, v in outputs.items()}, {k: np.array(v) for k, v in grads.items()})
+
     def state_dict(self) -> dict[str, np.ndarray]:
         return {name: np.array(p) for name, p in self._params.items()}
 
@@ -174,16 +193,11 @@ class JaxScan:
 
 
 class JaxLeNet(JaxScan):
-    """LeNet-5, and one method more for the verifier (as level 1's): layers()."""
+    """LeNet-5."""
 
     network = lenet
     logits_of = staticmethod(lenet_logits)
-
-    def layers(self, X: np.ndarray, y: np.ndarray) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-        """Every layer's output for a batch, and the gradient of the batch's mean loss with respect to each."""
-        X = check_X(X)
-        outputs, grads = lenet_layers(self._params, self._put(X), self._put(check_y(y, len(X))))
-        return ({k: np.array(v) for k, v in outputs.items()}, {k: np.array(v) for k, v in grads.items()})
+    outputs_of = staticmethod(lenet_outputs)
 
 
 def jax_peer(network: str) -> type:

@@ -1,8 +1,8 @@
 """Level 1 - PyTorch, the gold standard, for the second network: LeNet-5 (common/lenet.py).
 
 The same contract as the MLP's (mlp.Model: nn.Module, autograd, torch.optim.SGD, full float32, deterministic, CPU and
-CUDA, a float64 twin with dtype="float64"), and one method more: layers(), every layer's output and gradient, for
-the verifier's per-layer check (common/verify.py).
+CUDA, a float64 twin with dtype="float64", and layers(), every layer's output and gradient, for the verifier's
+per-layer check); only the network differs.
 
 Run: `python -m common.compare --model lenet --levels 1` or `pytest -m level1 -k lenet`.
 """
@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from common import lenet
-from common.contract import check_X, check_y
-from level1_pytorch.mlp import Model, _as_tensor
+from level1_pytorch.mlp import Model
 
 
 class Net(nn.Module):
@@ -48,19 +46,3 @@ class LeNet(Model):
 
     def build(self, params: dict[str, np.ndarray]) -> nn.Module:
         return Net()
-
-    def layers(self, X: np.ndarray, y: np.ndarray) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-        """Every layer's output for a batch, and the gradient of the batch's mean loss with respect to each; the
-        parameters unchanged."""
-        X = _as_tensor(check_X(X), self.device).to(self.dtype)
-        y = _as_tensor(check_y(y, len(X)), self.device).long()
-        keep: dict[str, torch.Tensor] = {}
-        self.optimizer.zero_grad()
-        with self.arithmetic():
-            logits = self.net(X, keep)
-            for tensor in keep.values():
-                tensor.retain_grad()
-            F.cross_entropy(logits, y).backward()
-        self.optimizer.zero_grad()
-        return ({k: t.detach().cpu().numpy() for k, t in keep.items()},
-                {k: t.grad.detach().cpu().numpy() for k, t in keep.items()})

@@ -34,15 +34,22 @@ from common.model import N_IN, N_OUT  # noqa: E402
 
 
 class Net(nn.Module):
-    """784 -> hidden (ReLU) -> 10."""
+    """784 -> hidden (ReLU) -> 10, each layer a module, so that a forward hook can watch any of them."""
 
     def __init__(self, hidden: int):
         super().__init__()
         self.fc1 = nn.Linear(N_IN, hidden)
+        self.relu1 = nn.ReLU()
         self.fc2 = nn.Linear(hidden, N_OUT)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.relu(self.fc1(x)))
+    def forward(self, x: torch.Tensor, keep: dict | None = None) -> torch.Tensor:
+        """Logits of x (N, 784); with `keep`, every layer's output is stored there by name (model.activations)."""
+        h = self.fc1(x)
+        a = self.relu1(h)
+        logits = self.fc2(a)
+        if keep is not None:
+            keep.update(fc1=h, relu1=a, fc2=logits)
+        return logits
 
 
 def _as_tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -120,6 +127,22 @@ class Model:
         grads = {name: p.grad.detach().cpu().numpy().copy() for name, p in self.net.named_parameters()}
         self.optimizer.zero_grad()
         return float(loss.detach()), grads
+
+    def layers(self, X: np.ndarray, y: np.ndarray) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """Every layer's output for a batch, and the gradient of the batch's mean loss with respect to each; the
+        parameters unchanged."""
+        X = _as_tensor(check_X(X), self.device).to(self.dtype)
+        y = _as_tensor(check_y(y, len(X)), self.device).long()
+        keep: dict[str, torch.Tensor] = {}
+        self.optimizer.zero_grad()
+        with self.arithmetic():
+            logits = self.net(X, keep)
+            for tensor in keep.values():
+                tensor.retain_grad()
+            F.cross_entropy(logits, y).backward()
+        self.optimizer.zero_grad()
+        return ({k: t.detach().cpu().numpy() for k, t in keep.items()},
+                {k: t.grad.detach().cpu().numpy() for k, t in keep.items()})
 
     def forward(self, X: np.ndarray) -> np.ndarray:
         """Logits (N, 10)."""

@@ -151,8 +151,9 @@ class MLP(Model):
         a = relu_forward(h)
         return h, a, linear_forward(a, p["fc2.weight"], p["fc2.bias"])
 
-    def _loss_and_grads(self, x: np.ndarray, y: np.ndarray) -> tuple[np.float32, dict[str, np.ndarray]]:
-        """Forward, loss, then every gradient: the backward functions in the reverse order of the forward ones."""
+    def _loss_and_grads(self, x: np.ndarray, y: np.ndarray, keep: dict | None = None):
+        """Forward, loss, then every gradient: the backward functions in the reverse order of the forward ones. With
+        keep, every layer's output and the gradient with respect to it are stored there, as (output, gradient)."""
         p = self.params
         h, a, logits = self._forward(x)
         loss, probs = softmax_xent_forward(logits, y)
@@ -160,4 +161,13 @@ class MLP(Model):
         da, dW2, db2 = linear_backward(dlogits, a, p["fc2.weight"])
         dh = relu_backward(da, h)
         _, dW1, db1 = linear_backward(dh, x, None)
+        if keep is not None:
+            keep.update(fc1=(h, dh), relu1=(a, da), fc2=(logits, dlogits))
         return loss, {"fc1.weight": dW1, "fc1.bias": db1, "fc2.weight": dW2, "fc2.bias": db2}
+
+    def layers(self, X: np.ndarray, y: np.ndarray) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """Every layer's output for a batch, and the gradient of the batch's mean loss with respect to each."""
+        X = check_X(X)
+        keep: dict[str, tuple] = {}
+        self._loss_and_grads(X, check_y(y, len(X)), keep)
+        return {k: out for k, (out, _) in keep.items()}, {k: grad for k, (_, grad) in keep.items()}

@@ -4,8 +4,9 @@
 
 Each bug is planted in a scratch copy of the repository (tests/plant_bugs.py's scratch_copy), where
 `make check-memory` runs tests/check_memory.c - every function of mlp.h, a thousand models - under valgrind
-and then under AddressSanitizer + UBSan. The files keep the tools' own words, trimmed to the reports; results/memory/sources.json records the sources they quote
-(common.book.write_capture), so the chapter that shows them is stale once one of those changes.
+and then under AddressSanitizer + UBSan. The files keep the tools' own words, trimmed to the reports;
+results/memory/sources.json records the sources they quote (common.book.write_capture), so the chapter that shows
+them is stale once one of those changes.
 """
 
 from __future__ import annotations

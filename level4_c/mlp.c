@@ -289,6 +289,25 @@ int mlp_loss_and_grads(mlp *m, float *loss, float *dw1, float *db1, float *dw2, 
     return MLP_OK;
 }
 
+int mlp_layers(mlp *m, float *outputs, float *grads, const float *x, const int *y, int n) {
+    if (!m || !outputs || !grads || !x || !y) return FAIL(MLP_ERR_ARG, "NULL argument");
+    if (n < 1) return FAIL(MLP_ERR_ARG, "n must be >= 1, got %d", n);
+    int status = check_labels(y, n, m->n_out);
+    if (!status) status = ensure_capacity(m, n);
+    if (status) return status;
+    forward_backward(m, x, y, n); /* keeps h, a, logits and their gradients dh, da, dlogits */
+    status = lab_status();
+    if (status) return status;
+    const size_t hidden = (size_t)n * m->hidden, out = (size_t)n * m->n_out;
+    const float *layers[3][2] = {{m->h, m->dh}, {m->a, m->da}, {m->logits, m->dlogits}}; /* (output, gradient) */
+    const size_t offsets[3] = {0, hidden, 2 * hidden}, sizes[3] = {hidden, hidden, out};
+    for (int i = 0; i < 3; i++) {
+        memcpy(outputs + offsets[i], layers[i][0], sizeof(float) * sizes[i]);
+        memcpy(grads + offsets[i], layers[i][1], sizeof(float) * sizes[i]);
+    }
+    return MLP_OK;
+}
+
 int mlp_set_data(mlp *m, const float *x, const int *y, int n) {
     if (!m || !x || !y) return FAIL(MLP_ERR_ARG, "NULL argument");
     if (n < 1) return FAIL(MLP_ERR_ARG, "n must be >= 1, got %d", n);

@@ -39,6 +39,9 @@ static void exercise(int hidden, int batch) {
     expect(mlp_set_params(m, w1, b1, w2, b2), MLP_OK, "set_params");
     expect(mlp_forward(m, logits, x, N), MLP_OK, "forward");
     expect(mlp_loss_and_grads(m, &loss, w1, b1, w2, b2, x, y, N), MLP_OK, "loss_and_grads");
+    const size_t layer_floats = (size_t)N * (2 * hidden + N_OUT); /* fc1, its ReLU and fc2 of every row */
+    float *outputs = malloc(sizeof(float) * layer_floats), *grads = malloc(sizeof(float) * layer_floats);
+    expect(mlp_layers(m, outputs, grads, x, y, N), MLP_OK, "layers");
     expect(mlp_set_data(m, x, y, N), MLP_OK, "set_data");
     expect(mlp_set_data(m, x, y, N - 1), MLP_OK, "set_data again (replaces the first)");
     expect(mlp_train_epoch(m, losses, order, N - 1, batch, 0.01f), MLP_OK, "train_epoch");
@@ -49,6 +52,8 @@ static void exercise(int hidden, int batch) {
     for (int i = 0; i < N; i++) bad_y[i] = y[i];
     bad_y[N - 1] = N_OUT;
     expect(mlp_loss_and_grads(m, &loss, w1, b1, w2, b2, x, bad_y, N), MLP_ERR_ARG, "a label out of range");
+    expect(mlp_layers(m, outputs, grads, x, bad_y, N), MLP_ERR_ARG, "a label out of range, for the layers");
+    expect(mlp_layers(m, outputs, NULL, x, y, N), MLP_ERR_ARG, "layers with a NULL output");
     expect(mlp_set_data(m, x, bad_y, N), MLP_ERR_ARG, "a label out of range in the data set");
     expect(mlp_use_device_data(m, x, y, N), MLP_ERR_ARG, "device arrays, on the CPU level");
     order[3] = N;
@@ -59,7 +64,7 @@ static void exercise(int hidden, int batch) {
     expect(mlp_forward(m, logits, x, N), MLP_OK, "forward after the errors");
 
     expect(mlp_destroy(m), MLP_OK, "destroy");
-    free(w1), free(b1), free(w2), free(b2), free(x), free(logits);
+    free(w1), free(b1), free(w2), free(b2), free(x), free(logits), free(outputs), free(grads);
 }
 
 /* Sizes whose products overflow an int: hidden 100,000 x a batch of 21,476 rows is 2,147,600,000 elements per

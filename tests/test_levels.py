@@ -124,6 +124,18 @@ def torch_loss_and_grads(params, X, y):
     return loss.item(), {k: v.grad.numpy() for k, v in p.items()}, logits.detach().numpy()
 
 
+@against_level1
+@pytest.mark.parametrize("hidden, batch", [(256, 16), (37, 13)])
+def test_every_layer_matches_float64_from_its_own_inputs(factory, mnist, hidden, batch):
+    """Per layer (common/verify.py): each layer's output and each gradient, from the level's own inputs to that layer,
+    against float64, with level 1's layers as the yardstick; a ReLU exactly."""
+    params = reference(init_params(2, hidden)).state_dict()
+    X, y = mnist[0][:batch], mnist[1][:batch]
+    shares, failure = verify.mlp_per_layer(factory(params).layers(X, y), reference(params).layers(X, y), params, X, y)
+    assert failure is None, failure
+    assert set(shares) == {"fc1", "relu1", "fc2", "drelu1", "dfc2", "dloss"} and max(shares.values()) <= 1
+
+
 @every_level
 def test_forward_of_more_rows_than_one_native_chunk(factory, mnist):
     """forward() of 2,500 rows: the native levels work through them 1,024 at a time (FORWARD_CHUNK), so every chunk

@@ -8,6 +8,8 @@ larger reach for ties) fails these tests.
     ties:     a ReLU within gamma_n * sum |terms| of 0; a pool window's top two within the sum of their reaches
     free run: per epoch, |mean - level 1's| <= 4 max(the float64 twin's distance, 2.5e-4 x the mean); test
               accuracy within max(the images the twin flipped, 10)
+    per layer: each layer's output and each gradient, from the level's own inputs, within 2x level 1's distance
+              from float64 + 34u of its size; a ReLU or a pool exactly
 """
 
 from __future__ import annotations
@@ -219,3 +221,112 @@ def test_the_test_accuracy_band(share):
     losses = np.repeat([0.9, 0.5], 10)
     run = verify.check_free_run(losses, losses, 0.9 + share * 10 / 10_000, 0.9, 10_000, noise, 2)
     assert (run.failure is not None) == (share > 1)
+
+
+# ---- the per-layer check (common/verify.py): every layer's output and every gradient, each on its own ----
+#   per layer: ||got - float64 of the level's own inputs|| <= 2 ||level 1's - its float64|| + 34u ||float64||;
+#              a ReLU or a max-pool (and their gradients) exactly.
+
+NETWORK_LAYERS = {  # each network's layers in the forward order, and those that do no arithmetic
+    "mlp": (("fc1", "relu1", "fc2"), ("relu1",)),
+    "lenet": (("conv1", "relu1", "pool1", "conv2", "relu2", "pool2", "fc1", "relu3", "fc2", "relu4", "fc3"),
+              ("relu1", "pool1", "relu2", "pool2", "relu3", "relu4")),
+}
+
+
+def checks_of(network: str) -> list[str]:
+    """Every check the rule states: each layer's output, the gradient of each layer's input (the image has none),
+    and the gradient of the loss with respect to the logits."""
+    layers = NETWORK_LAYERS[network][0]
+    return [*layers, *(f"d{name}" for name in layers[1:]), "dloss"]
+
+
+def per_layer(network: str):
+    """The per-layer check of a network."""
+    return verify.mlp_per_layer if network == "mlp" else lenet_verify.per_layer
+
+
+def planted_layers(model, X, y, output=None, gradient=None):
+    """Level 1's layers() with one layer's output moved (output: (layer, delta)), the later layers computed from it;
+    or the gradient of one layer's output moved (gradient: (layer, delta)), the earlier gradients computed from it:
+    a bug in one layer, which every other layer then takes as its input."""
+    import torch.nn.functional as F
+
+    net, hooks = model.net, []
+    if output:
+        name, delta = output
+        hooks.append(getattr(net, name).register_forward_hook(lambda m, i, out: out + torch.from_numpy(delta)))
+    keep = {}
+    try:
+        logits = net(torch.from_numpy(X), keep)
+        for tensor in keep.values():
+            tensor.retain_grad()
+        if gradient:
+            name, delta = gradient
+            keep[name].register_hook(lambda g: g + torch.from_numpy(delta))
+        F.cross_entropy(logits, torch.from_numpy(y).long()).backward()
+    finally:
+        for hook in hooks:
+            hook.remove()
+        model.optimizer.zero_grad()
+    return ({k: t.detach().numpy().copy() for k, t in keep.items()},
+            {k: t.grad.detach().numpy().copy() for k, t in keep.items()})
+
+
+def planted_error(got, exact, share):
+    """A float32 delta moving `got` to `share` times the stated allowance from `exact` (its own distance doubled, plus
+    34u of its size), in a seeded direction."""
+    got64, exact = got.astype(np.float64), exact.astype(np.float64)
+    error = got64 - exact
+    allowed = 2 * np.linalg.norm(error) + 34 * U * np.linalg.norm(exact)
+    direction = np.random.default_rng(1).standard_normal(got.shape)
+    direction /= np.linalg.norm(direction)
+    along = float((error * direction).sum())
+    t = -along + np.sqrt(along**2 - float((error**2).sum()) + (share * allowed) ** 2)
+    return (t * direction).astype(np.float32)
+
+
+def ulp_at_largest(got, share):
+    """One ulp on the largest element of `got` at 1.5, nothing at 0.5: an exact layer's planted error."""
+    delta = np.zeros_like(got)
+    if share > 1:
+        i = np.unravel_index(np.abs(got).argmax(), got.shape)
+        delta[i] = np.spacing(got[i])
+    return delta
+
+
+@pytest.mark.parametrize("share", SHARES)
+@pytest.mark.parametrize(("network", "check"), [pytest.param(network, check, id=f"{network}-{check}")
+                                                for network in NETWORK_LAYERS for check in checks_of(network)])
+def test_the_per_layer_rule_of_each_layer(start, batches, network, check, share):
+    """An error planted in one layer's output or one gradient, `share` times that check's stated allowance (one ulp
+    for a ReLU or a pool): the per-layer check fails at 1.5, naming that layer and only it, and passes at 0.5."""
+    X, y = batches
+    params = start[network]
+    layers, exact_layers = NETWORK_LAYERS[network]
+    model = level(1).load(network)(params)
+    clean = planted_layers(model, X, y)
+    ops = (verify.mlp_layer_ops if network == "mlp" else lenet_verify.layer_ops)(params, X, clean[0])
+    forward64, backward64 = verify.layer_references(ops, clean[0][layers[-1]], y, clean[1])
+    layer = check.removeprefix("d")
+    exact_layer = layer in exact_layers
+    if not check.startswith("d"):  # the layer's output
+        got, exact = clean[0][layer], forward64[layer]
+        delta = ulp_at_largest(got, share) if exact_layer else planted_error(got, exact, share)
+        planted = planted_layers(model, X, y, output=(layer, delta))
+    else:  # the gradient of the layer's input: of the previous layer's output, or of the logits for the loss
+        moved = layers[-1] if layer == "loss" else layers[layers.index(layer) - 1]
+        got, exact = clean[1][moved], backward64[layer]
+        delta = ulp_at_largest(got, share) if exact_layer else planted_error(got, exact, share)
+        planted = planted_layers(model, X, y, gradient=(moved, delta))
+    shares, failure = per_layer(network)(planted, clean, params, X, y)
+    assert sorted(shares) == sorted(checks_of(network)), "the per-layer check skips or adds a check"
+    failing = sorted(name for name, used in shares.items() if used > 1)
+    if share < 1:
+        assert failure is None and not failing, failure
+    else:
+        assert failing == [check], f"planted in {check}, failing: {failing}"
+        what = f"{layer}'s input gradient" if check.startswith("d") else f"{layer}'s output"
+        assert failure.startswith(f"per layer: {what}"), failure
+        if not exact_layer:
+            assert shares[check] == pytest.approx(share, rel=0.05)

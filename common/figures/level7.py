@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
-import numpy as np
 
 from common.figures import BACKWARD, FORWARD, HIGHLIGHT, MEMORY, MUTED, THREAD, arrow
 
