@@ -212,6 +212,29 @@ def show_figure(fig, dpi: int = 100) -> None:
     display(Image(data=_png(picture)))
 
 
+def say(text: str) -> None:
+    """A paragraph whose numbers or comparisons come from the run or the results above it, written by the cell that
+    computes them, so that the text and the output cannot disagree. Shown as Markdown."""
+    from IPython.display import Markdown, display
+
+    display(Markdown(text))
+
+
+SAME = 1.05  # two times within 5% of each other are "as fast as" each other in a sentence
+
+
+def speed_words(ours: float | None, theirs: float | None) -> str:
+    """A comparison of two times in words: "1.3x faster than", "as fast as" (within SAME), "1.2x slower than"; None
+    for a time the results withheld (an unsteady row) gives "not comparable with"."""
+    if ours is None or theirs is None:
+        return "not comparable with (a row too unsteady to publish)"
+    if theirs / ours >= SAME:
+        return f"{theirs / ours:.1f}x faster than"
+    if ours / theirs >= SAME:
+        return f"{ours / theirs:.1f}x slower than"
+    return "as fast as"
+
+
 def show_side_by_side(folders: list[str], key: str = "gflops") -> None:
     """Print one column of several runs' tables side by side (by default GFLOP/s, comparable across sizes)."""
     runs = {Path(f).name: r for f in folders if (r := load_results(f))}

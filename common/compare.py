@@ -425,6 +425,7 @@ def training_set(data, args) -> tuple[np.ndarray, np.ndarray, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.perf_counter()
     args = parse_args(argv)
     quiet = args.quiet or bool(os.environ.get("CI")) or not sys.stderr.isatty()
     data = load_mnist(quiet=quiet)
@@ -485,6 +486,7 @@ def main(argv: list[str] | None = None) -> int:
         "table": rows,
         "peers_not_run": absent,
         "runs": [_for_json(run) for run in runs + [twin]],
+        "elapsed_s": time.perf_counter() - started,  # the whole job: data, training, every check
     }
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
     plot(runs, twin, args.out, f"{network.title}, {n:,} images, batch {args.batch}{size_note(args)}", args.epochs)

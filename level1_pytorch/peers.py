@@ -19,6 +19,7 @@ Their speed is checked against the same loops written plainly, apart from the ha
 from __future__ import annotations
 
 import importlib.util
+import warnings
 from contextlib import contextmanager
 
 import numpy as np
@@ -27,6 +28,10 @@ import torch.nn.functional as F
 
 from common.contract import check_training
 from level1_pytorch.mlp import Model
+
+# TF32 stays off everywhere in this course (level 1's chapter says why); torch.compile's advice to turn it on is not
+# for us, and would only clutter every run's output.
+warnings.filterwarnings("ignore", message="TensorFloat32 tensor cores for float32 matrix multiplication available")
 
 # each peer by name, and its short name in the tables' columns (speedup_vs_<short> in results.json)
 NAMES = {"torch-eager": "eager", "torch-graph": "graph", "torch-compile": "compile", "jax-scan": "jax"}

@@ -1,7 +1,7 @@
 """Why the tiled convolution beats the direct one, measured: Nsight Compute's counters for LeNet-5's two forward
 convolution kernels, layer by layer, side by side (level5_cuda_naive/lenet.cu).
 
-    python -m level5_cuda_naive.tiling [--batches 16,64,1024] [--out results/h100/lenet-tiling.md]
+    python -m level5_cuda_naive.tiling [--batches 16,64,1024] [--out results/h100/lenet-tiling.md]   # and .json
 
 Needs a GPU and Nsight Compute (`ncu`). The script runs itself under ncu, which profiles the convolution kernels of
 one forward pass of MNIST digits with each convolution (caches flushed before each kernel, ncu's default), and
@@ -50,7 +50,8 @@ def profile(batch: int) -> list[dict]:
     if ncu is None:
         raise SystemExit("Nsight Compute (ncu) is not on PATH: it comes with the CUDA toolkit")
     run = subprocess.run([ncu, "--csv", "--print-units", "base", "--metrics", ",".join(METRICS),
-                          "--kernel-name", "regex:conv2d_forward", sys.executable, "-m", "level5_cuda_naive.tiling", "--inside-ncu", "--batches", str(batch)],
+                          "--kernel-name", "regex:conv2d_forward", sys.executable, "-m", "level5_cuda_naive.tiling",
+                          "--inside-ncu", "--batches", str(batch)],
                          capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     rows = [line for line in run.stdout.splitlines() if line.startswith('"')]
     if run.returncode or not rows:
@@ -81,6 +82,17 @@ def table(kernels: list[dict], batch: int) -> str:
     return "\n".join(lines) + f"\n\n(ratio: direct / tiled; {grids})\n"
 
 
+def by_layer(kernels: list[dict]) -> dict:
+    """profile()'s kernels as {layer: {convolution: {"grid": ..., table row: value in its unit}}}."""
+    out: dict = {}
+    for i, conv in enumerate(CONVOLUTIONS):
+        for j, layer in enumerate(("conv1", "conv2")):
+            kernel = kernels[i * 2 + j]
+            values = {label: kernel[metric] * scale for metric, (label, scale) in METRICS.items()}
+            out.setdefault(layer, {})[conv] = {"grid": kernel["grid"], **values}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batches", default="16,64,1024", help="comma-separated batch sizes, a table each")
@@ -91,13 +103,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.inside_ncu:
         forward_passes(batches[0])
         return 0
-    text = "\n".join(table(profile(batch), batch) for batch in batches)
+    kernels = {batch: profile(batch) for batch in batches}
+    text = "\n".join(table(found, batch) for batch, found in kernels.items())
     print(text)
     if args.out:
+        import json
+
         from common.book import write_capture
 
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        write_capture(args.out, text, ["level5_cuda_naive/lenet.cu", "common/cuda_lenet.cuh"])
+        sources = ["level5_cuda_naive/lenet.cu", "common/cuda_lenet.cuh"]
+        write_capture(args.out, text, sources)
+        numbers = {batch: by_layer(found) for batch, found in kernels.items()}  # for a chapter's sentences
+        write_capture(args.out.with_suffix(".json"), json.dumps(numbers, indent=1) + "\n", sources)
     return 0
 
 
