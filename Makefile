@@ -1,7 +1,7 @@
-# One MNIST MLP, seven levels. The two commands of the README:
+# Two networks, seven levels. The two commands of the README:
 #   make compare   set up, fetch MNIST, build and train every level this machine can run, print the table, plot
 #   make test      the whole test suite
-# Levels are listed once, in common/levels.py; here are only the build rules of the native ones.
+# Levels are listed once, in common/levels.py (asked below); here are only the build rules of the native ones.
 
 PYTHON_VERSION_OK := $(shell python3 -c 'import sys; print(sys.version_info >= (3, 10))' 2>/dev/null)
 VENV    := .venv
@@ -11,8 +11,15 @@ CFLAGS  := -O3 -march=native -std=c11 -Wall -Wextra -Wpedantic -Werror -fPIC
 # Fat binary: machine code for A100 (sm_80) and H100/H200 (sm_90), plus PTX that newer GPUs compile at load.
 CUDA_ARCH := -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
 NVFLAGS = -O3 -std=c++17 $(CUDA_ARCH) -Xcompiler -fPIC,-Wall,-Wextra -Werror all-warnings --shared
+# The native levels this machine can build, and the lab's libraries for their tasks, as common/levels.py lists them:
+# a C compiler's always, nvcc's where nvcc is.
+ask_levels = $(shell python3 -m common.levels $(1) $(2))
+CC_LEVELS := $(call ask_levels,targets,cc)
+NVCC_LEVELS := $(if $(NVCC),$(call ask_levels,targets,nvcc))
+GPU_MARKERS := $(call ask_levels,markers,gpu)
+LAB_LIBS := $(call ask_levels,lab-libraries,cc) $(if $(NVCC),$(call ask_levels,lab-libraries,nvcc))
 
-.PHONY: all compare bench infer test test-gpu check-memory check-memory-gpu levels level4 level5 level6 level7 lab grade \
+.PHONY: all compare bench infer test test-gpu check-memory check-memory-gpu levels $(CC_LEVELS) $(NVCC_LEVELS) lab grade \
 	gradebook chapters notebooks clean
 
 all: compare
@@ -36,22 +43,28 @@ venv: $(VENV)/.installed
 .PHONY: venv
 
 # ---- native levels ----
+# The headers and shared CUDA code every native level builds with (common/native), as make's dependencies.
+INCLUDE := -Icommon/native
+MLP_H   := common/native/mlp.h common/native/mlp_status.h
+LENET_H := common/native/lenet.h $(MLP_H)
+CUDA_MLP   := common/native/cuda_mlp.cuh $(MLP_H)
+CUDA_LENET := common/native/cuda_lenet.cuh common/native/cuda_mlp.cuh $(LENET_H)
+
 level4: level4_c/libmlp.so level4_c/liblenet.so
-level4_c/libmlp.so: level4_c/mlp.c common/mlp.h common/mlp_status.h
-	$(CC) $(CFLAGS) -Icommon -shared -o $@ $< -lm
+level4_c/libmlp.so: level4_c/mlp.c $(MLP_H)
+	$(CC) $(CFLAGS) $(INCLUDE) -shared -o $@ $< -lm
 # LeNet-5: lenet.c includes mlp.c, whose layer functions it reuses.
-level4_c/liblenet.so: level4_c/lenet.c level4_c/mlp.c common/lenet.h common/mlp.h common/mlp_status.h
-	$(CC) $(CFLAGS) -Icommon -shared -o $@ $< -lm
+level4_c/liblenet.so: level4_c/lenet.c level4_c/mlp.c $(LENET_H)
+	$(CC) $(CFLAGS) $(INCLUDE) -shared -o $@ $< -lm
 
 level5: level5_cuda_naive/libmlp.so level5_cuda_naive/liblenet.so
-level5_cuda_naive/libmlp.so: level5_cuda_naive/mlp.cu common/cuda_mlp.cuh common/mlp.h common/mlp_status.h
+level5_cuda_naive/libmlp.so: level5_cuda_naive/mlp.cu $(CUDA_MLP)
 	@[ -n "$(NVCC)" ] || { echo "level 5 needs nvcc (the CUDA toolkit)"; exit 1; }
-	$(NVCC) $(NVFLAGS) -Icommon -o $@ $<
+	$(NVCC) $(NVFLAGS) $(INCLUDE) -o $@ $<
 # LeNet-5: lenet.cu includes mlp.cu, whose kernels it reuses for the fully connected layers.
-level5_cuda_naive/liblenet.so: level5_cuda_naive/lenet.cu level5_cuda_naive/mlp.cu common/cuda_lenet.cuh common/cuda_mlp.cuh common/lenet.h \
-		common/mlp.h common/mlp_status.h
+level5_cuda_naive/liblenet.so: level5_cuda_naive/lenet.cu level5_cuda_naive/mlp.cu $(CUDA_LENET)
 	@[ -n "$(NVCC)" ] || { echo "level 5 needs nvcc (the CUDA toolkit)"; exit 1; }
-	$(NVCC) $(NVFLAGS) -Icommon -o $@ $<
+	$(NVCC) $(NVFLAGS) $(INCLUDE) -o $@ $<
 
 # cuBLAS: from the CUDA toolkit when it has it, else from the nvidia-cublas wheel (pip install -e '.[cublas]'),
 # which ships libcublas.so.13 but no unversioned libcublas.so, hence -l: and an rpath to find it at run time.
@@ -63,7 +76,7 @@ CUBLAS_LIB = $(firstword $(wildcard $(CUBLAS_HOME)/lib64/libcublas.so $(CUBLAS_H
 define build_with_cublas
 	@[ -n "$(NVCC)" ] || { echo "$@ needs nvcc (the CUDA toolkit)"; exit 1; }
 	@[ -n "$(CUBLAS_LIB)" ] || { echo "$@ needs cuBLAS: the CUDA toolkit's, or run: $(PYTHON) -m pip install -e '.[cublas]'"; exit 1; }
-	$(NVCC) $(NVFLAGS) -Icommon -I$(CUBLAS_HOME)/include -o $@ $< \
+	$(NVCC) $(NVFLAGS) $(INCLUDE) -I$(CUBLAS_HOME)/include -o $@ $< \
 		-L$(dir $(CUBLAS_LIB)) -l:$(notdir $(CUBLAS_LIB)) -Xlinker -rpath,$(dir $(CUBLAS_LIB))
 endef
 # cuDNN, for LeNet-5's convolutions at level 6: from the CUDA toolkit when it has it, else from the nvidia-cudnn-cu13
@@ -84,71 +97,65 @@ define build_with_cudnn
 	$(build_with_cublas) -I$(CUDNN_HOME)/include -L$(dir $(CUDNN_LIB)) -l:$(notdir $(CUDNN_LIB)) \
 		-Xlinker -rpath,$(dir $(CUDNN_LIB))
 endef
-LENET6_SOURCES := level6_cublas/lenet.cu level6_cublas/mlp.cu common/cuda_lenet.cuh common/cuda_mlp.cuh common/lenet.h \
-	common/mlp.h common/mlp_status.h
+LENET6_SOURCES := level6_cublas/lenet.cu level6_cublas/mlp.cu $(CUDA_LENET)
 level6: level6_cublas/libmlp.so
 	$(call lenet_if_cudnn,level6_cublas/liblenet.so,6)
-level6_cublas/libmlp.so: level6_cublas/mlp.cu common/cuda_mlp.cuh common/mlp.h common/mlp_status.h
+level6_cublas/libmlp.so: level6_cublas/mlp.cu $(CUDA_MLP)
 	$(build_with_cublas)
 level6_cublas/liblenet.so: $(LENET6_SOURCES)
 	$(build_with_cudnn)
 
 level7: level7_fused/libmlp.so
 	$(call lenet_if_cudnn,level7_fused/liblenet.so,7)
-level7_fused/libmlp.so: level7_fused/mlp.cu level6_cublas/mlp.cu common/cuda_mlp.cuh common/mlp.h common/mlp_status.h
+level7_fused/libmlp.so: level7_fused/mlp.cu level6_cublas/mlp.cu $(CUDA_MLP)
 	$(build_with_cublas)
 level7_fused/liblenet.so: level7_fused/lenet.cu $(LENET6_SOURCES)
 	$(build_with_cudnn)
 
 # Level 7's testing and measuring builds: the race stress (tests/test_levels.py), the phase profile
-# (level7_fused/phases.py), the floors of the exchange (level7_fused/floors.py).
+# (common/harness/level7_phases.py), the floors of the exchange (common/harness/level7_floors.py).
 build/level7_stress.so: NVFLAGS += -DFUSED_STRESS
 build/level7_phases.so: NVFLAGS += -DFUSED_PROFILE
-build/level7_stress.so build/level7_phases.so: level7_fused/mlp.cu level6_cublas/mlp.cu common/cuda_mlp.cuh \
-		common/mlp.h common/mlp_status.h
+build/level7_stress.so build/level7_phases.so: level7_fused/mlp.cu level6_cublas/mlp.cu $(CUDA_MLP)
 	@mkdir -p build
 	$(build_with_cublas)
-build/level7_floors.so: level7_fused/floors.cu level7_fused/mlp.cu level6_cublas/mlp.cu common/cuda_mlp.cuh \
-		common/mlp.h common/mlp_status.h
+build/level7_floors.so: level7_fused/floors.cu level7_fused/mlp.cu level6_cublas/mlp.cu $(CUDA_MLP)
 	@mkdir -p build
 	$(build_with_cublas)
 
-# The lab's grader (common/grade.py, LABS.md) reaches each task's functions alone, through these: level 4's layer
-# functions, its memory functions under ASan + UBSan, and on a GPU machine level 5's kernels and level 7's device code.
-build/lab_level4.so: tests/lab_level4.c level4_c/lenet.c level4_c/mlp.c common/lenet.h common/mlp.h common/mlp_status.h
+# The lab's grader (common/classroom/grade.py, LABS.md) reaches each task's functions alone, through these: level 4's
+# layer functions, its memory functions under ASan + UBSan, and on a GPU machine level 5's kernels and level 7's
+# device code.
+build/lab_level4.so: tests/lab_level4.c level4_c/lenet.c level4_c/mlp.c $(LENET_H)
 	@mkdir -p build
-	$(CC) $(CFLAGS) -Icommon -shared -o $@ $< -lm
-build/lab_memory: tests/lab_memory.c level4_c/mlp.c common/mlp.h common/mlp_status.h
+	$(CC) $(CFLAGS) $(INCLUDE) -shared -o $@ $< -lm
+build/lab_memory: tests/lab_memory.c level4_c/mlp.c $(MLP_H)
 	@mkdir -p build
-	$(CC) -g -O1 -std=c11 -Wall -Wextra -Werror -fsanitize=address,undefined -fno-sanitize-recover=all -Icommon \
+	$(CC) -g -O1 -std=c11 -Wall -Wextra -Werror -fsanitize=address,undefined -fno-sanitize-recover=all $(INCLUDE) \
 		-o $@ $< -lm
-build/lab_level5.so: tests/lab_level5.cu level5_cuda_naive/lenet.cu level5_cuda_naive/mlp.cu common/cuda_lenet.cuh \
-		common/cuda_mlp.cuh common/lenet.h common/mlp.h common/mlp_status.h
+build/lab_level5.so: tests/lab_level5.cu level5_cuda_naive/lenet.cu level5_cuda_naive/mlp.cu $(CUDA_LENET)
 	@[ -n "$(NVCC)" ] || { echo "$@ needs nvcc (the CUDA toolkit)"; exit 1; }
 	@mkdir -p build
-	$(NVCC) $(NVFLAGS) -Icommon -o $@ $<
-build/lab_level7.so: tests/lab_level7.cu level7_fused/mlp.cu level6_cublas/mlp.cu common/cuda_mlp.cuh common/mlp.h \
-		common/mlp_status.h
+	$(NVCC) $(NVFLAGS) $(INCLUDE) -o $@ $<
+build/lab_level7.so: tests/lab_level7.cu level7_fused/mlp.cu level6_cublas/mlp.cu $(CUDA_MLP)
 	@mkdir -p build
 	$(build_with_cublas)
 
-# Every native level this machine can build: level 4 always, 5 to 7 where nvcc is; and the lab's libraries for them.
-levels: level4 $(if $(NVCC),level5 level6 level7)
-LAB_LIBS := build/lab_level4.so build/lab_memory $(if $(NVCC),build/lab_level5.so build/lab_level7.so)
+levels: $(CC_LEVELS) $(NVCC_LEVELS)
 
 # ---- the main job and the tests ----
 # With PYTHON=python3 (the GPU machine) the targets use that interpreter as it is, without the venv.
 ENV := $(if $(filter $(VENV)/bin/python,$(PYTHON)),$(VENV)/.installed)
 
 compare: $(ENV) levels
-	$(PYTHON) -m common.compare $(ARGS)
+	$(PYTHON) -m common.harness.compare $(ARGS)
 
 bench: $(ENV) levels
-	$(PYTHON) -m common.bench $(ARGS)
+	$(PYTHON) -m common.harness.bench $(ARGS)
 
 # LeNet-5 served from a PyTorch state_dict by the GPU levels, checked against PyTorch and timed (a GPU machine).
 infer: $(ENV) levels
-	$(PYTHON) -m common.infer $(ARGS)
+	$(PYTHON) -m common.harness.serving $(ARGS)
 
 test: $(ENV) levels $(LAB_LIBS)
 	$(PYTHON) -m pytest $(ARGS)
@@ -156,15 +163,15 @@ test: $(ENV) levels $(LAB_LIBS)
 # On the GPU machine: its own python3 (PyTorch with CUDA), no virtual environment, no network
 # (so not the tests that fetch from PyPI); GPU tests may not skip there.
 test-gpu:
-	$(MAKE) level4 level5 level6 level7 $(LAB_LIBS) PYTHON=python3
+	$(MAKE) levels $(LAB_LIBS) PYTHON=python3
 	python3 -m pytest --require-gpu -m "not pypi" $(ARGS)
 
 # The level-4 library driven from C under valgrind (leaks, invalid reads and writes) and under ASan + UBSan.
 check-memory: level4
 	mkdir -p build
-	$(CC) -g -O1 -std=c11 -Wall -Wextra -Icommon -o build/check_memory tests/check_memory.c level4_c/mlp.c -lm
+	$(CC) -g -O1 -std=c11 -Wall -Wextra $(INCLUDE) -o build/check_memory tests/check_memory.c level4_c/mlp.c -lm
 	valgrind --error-exitcode=1 --leak-check=full --errors-for-leak-kinds=all build/check_memory
-	$(CC) -g -O1 -std=c11 -Wall -Wextra -fsanitize=address,undefined -fno-sanitize-recover=all -Icommon \
+	$(CC) -g -O1 -std=c11 -Wall -Wextra -fsanitize=address,undefined -fno-sanitize-recover=all $(INCLUDE) \
 		-o build/check_memory_asan tests/check_memory.c level4_c/mlp.c -lm
 	build/check_memory_asan
 
@@ -173,21 +180,21 @@ check-memory: level4
 # and with them the models, which it then reports as leaked at exit. The tests' own memcheck test is left
 # out: it starts a compute-sanitizer of its own, which cannot run inside this one.
 check-memory-gpu:
-	$(MAKE) level5 level6 level7 build/lab_level5.so build/lab_level7.so PYTHON=python3
+	$(MAKE) levels $(LAB_LIBS) PYTHON=python3
 	compute-sanitizer --tool memcheck --leak-check full --show-backtrace no --error-exitcode 1 \
-		python3 -m pytest -q --require-gpu -m "(level5 or level6 or level7) and not notebooks" -k "not memcheck" $(ARGS)
+		python3 -m pytest -q --require-gpu -m "($(GPU_MARKERS)) and not notebooks" -k "not memcheck" $(ARGS)
 
 # ---- the classroom labs (LABS.md) ----
 # The student edition in lab/: the marked solutions replaced by stubs, a LAB.md per level. Needs python3 and git only.
 lab:
-	python3 -m common.lab
+	python3 -m common.classroom.lab
 
 # Grade every attempted task: one table, grade.json. LEVEL=4 grades one level, TASK=4.2 one task; ARGS=-v shows why
 # each check fails.
 grade: $(ENV)
-	$(PYTHON) -m common.grade $(if $(LEVEL),--level $(LEVEL)) $(if $(TASK),--task $(TASK)) $(ARGS)
+	$(PYTHON) -m common.classroom.grade $(if $(LEVEL),--level $(LEVEL)) $(if $(TASK),--task $(TASK)) $(ARGS)
 
-# The chapters executed and committed with their outputs (common/book.py): those whose outputs are stale, on this
+# The chapters executed and committed with their outputs (common/book/make.py): those whose outputs are stale, on this
 # machine, the GPU levels' ones only where there is a GPU. ARGS=--all re-makes every one; ARGS=--check only lists.
 chapters: $(ENV) levels
 	$(PYTHON) -m common.book $(ARGS)
@@ -196,10 +203,10 @@ chapters: $(ENV) levels
 # with the held-out checks; one CSV, a summary and a plot in gradebook/. JOBS=n at once, LEVEL=n one level.
 gradebook: $(ENV) levels
 	@[ -n "$(SUBMISSIONS)" ] || { echo "usage: make gradebook SUBMISSIONS=folder (one folder per student)"; exit 1; }
-	$(PYTHON) -m common.gradebook $(SUBMISSIONS) $(if $(JOBS),--jobs $(JOBS)) $(if $(LEVEL),--level $(LEVEL)) $(ARGS)
+	$(PYTHON) -m common.classroom.gradebook $(SUBMISSIONS) $(if $(JOBS),--jobs $(JOBS)) $(if $(LEVEL),--level $(LEVEL)) $(ARGS)
 
 notebooks: $(ENV) levels
 	$(VENV)/bin/jupyter lab
 
 clean:
-	rm -rf level4_c/libmlp.so level4_c/liblenet.so level5_cuda_naive/libmlp.so level5_cuda_naive/liblenet.so level6_cublas/libmlp.so level6_cublas/liblenet.so level7_fused/libmlp.so level7_fused/liblenet.so build
+	rm -rf level*/lib*.so build

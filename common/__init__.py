@@ -1,4 +1,13 @@
-"""Shared by every level: the list of levels, data, initial weights, input checks, the native binding and the harness."""
+"""What every level shares, in rooms, each importing only the rooms below it (pyproject.toml's import-linter contract):
+
+    nets/       each network's definition, and the one list of networks
+    levels.py   the one list of levels
+    contract/   the checks of every input, the same at every level; arrays on the device
+    native/     the one cffi binding of the C and CUDA levels, their headers and shared CUDA code
+    harness/    data, training every level side by side, verifying, timing, serving
+    classroom/  the student edition, its grade, a class's gradebook and the sandbox its code runs in
+    book/       the chapters' helpers and figures, and making the chapters
+"""
 
 from pathlib import Path as _Path
 

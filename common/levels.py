@@ -1,9 +1,13 @@
-"""The one list of levels. The Makefile, the tests, the harness, the benchmark and the plots all read it.
+"""The one list of levels. The Makefile, pytest's markers, the grader, the harness, the benchmark and the plots read it.
 
 Each entry says what the level needs, so a machine runs exactly the levels it can:
   "torch" - PyTorch importable;   "cc" - a C compiler built the library;
   "nvcc"  - nvcc built the library; "gpu" - an NVIDIA GPU is visible at run time.
-Which networks each level implements, and in which library, is common/models.py's list.
+Which networks each level implements, and in which library, is common/nets' list. The Makefile asks for its targets:
+
+    python3 -m common.levels targets cc|nvcc       # the levels a C compiler (nvcc) builds: level4 | level5 level6 ...
+    python3 -m common.levels lab-libraries cc|nvcc # the lab's libraries for their tasks
+    python3 -m common.levels markers gpu           # a pytest -m expression of the levels that need a GPU
 """
 
 from __future__ import annotations
@@ -16,7 +20,10 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+from common.nets import Network, get
+
 ROOT = Path(__file__).resolve().parent.parent
+THE_MLP = get("mlp")  # the network a level is asked about when none is named
 
 
 @dataclass(frozen=True)
@@ -25,41 +32,32 @@ class Level:
     package: str
     title: str
     needs: tuple[str, ...]
-    library: str | None = None  # the MLP's shared library built by `make levelN`, relative to the package
     trains: bool = True  # level 2 is theory: it derives the formulas, it does not train
+    lab_libraries: tuple[str, ...] = ()  # what the lab's grade builds for this level's tasks (make targets)
 
     @property
     def name(self) -> str:
         """Short label used in tables and plots, e.g. 'level3'."""
         return f"level{self.number}"
 
-    @property
-    def library_path(self) -> Path | None:
-        """Absolute path of the MLP's built shared library, if the level has one."""
-        return ROOT / self.package / self.library if self.library else None
-
-    def library_for(self, model: str = "mlp") -> Path | None:
-        """Absolute path of the level's shared library for a network (common/models.py), if it has one."""
-        from common.models import get
-
-        name = get(model).library(self.number)
+    def library_for(self, network: Network = THE_MLP) -> Path | None:
+        """Absolute path of the level's shared library for a network (common/nets), if it has one."""
+        name = network.library(self.number)
         return ROOT / self.package / name if name else None
 
-    def load(self, model: str = "mlp"):
-        """Import the level's package and return its class for a network (MLP, LeNet: common/models.py)."""
-        from common.models import get
-
-        return getattr(importlib.import_module(self.package), get(model).class_name)
+    def load(self, network: Network = THE_MLP):
+        """Import the level's package and return its class for a network (MLP, LeNet: common/nets)."""
+        return getattr(importlib.import_module(self.package), network.class_name)
 
 
 LEVELS: tuple[Level, ...] = (
     Level(1, "level1_pytorch", "PyTorch, the gold standard", ("torch",)),
     Level(2, "level2_theory", "Backpropagation theory", ("torch",), trains=False),
     Level(3, "level3_numpy", "NumPy by hand", ()),
-    Level(4, "level4_c", "Plain C through cffi", ("cc",), "libmlp.so"),
-    Level(5, "level5_cuda_naive", "Naive CUDA kernels", ("nvcc", "gpu"), "libmlp.so"),
-    Level(6, "level6_cublas", "cuBLAS GEMMs", ("nvcc", "gpu"), "libmlp.so"),
-    Level(7, "level7_fused", "One fused persistent kernel", ("nvcc", "gpu"), "libmlp.so"),
+    Level(4, "level4_c", "Plain C through cffi", ("cc",), lab_libraries=("build/lab_level4.so", "build/lab_memory")),
+    Level(5, "level5_cuda_naive", "Naive CUDA kernels", ("nvcc", "gpu"), lab_libraries=("build/lab_level5.so",)),
+    Level(6, "level6_cublas", "cuBLAS GEMMs", ("nvcc", "gpu")),
+    Level(7, "level7_fused", "One fused persistent kernel", ("nvcc", "gpu"), lab_libraries=("build/lab_level7.so",)),
 )
 
 
@@ -83,17 +81,40 @@ def gpu_available() -> bool:
         return bool(smi) and subprocess.run([smi, "-L"], capture_output=True).returncode == 0
 
 
-def missing(lv: Level, device: str = "cpu", model: str = "mlp") -> list[str]:
+def missing(lv: Level, device: str = "cpu", network: Network = THE_MLP) -> list[str]:
     """Why this machine cannot run the level on `device` for a network (empty when it can); level 1 runs on either."""
-    from common.models import get
-
     why = []
-    if lv.number not in get(model).levels:
-        why.append(f"level {lv.number} does not implement {get(model).title}")
+    if lv.number not in network.levels:
+        why.append(f"level {lv.number} does not implement {network.title}")
     if "torch" in lv.needs and importlib.util.find_spec("torch") is None:
         why.append("PyTorch is not installed")
-    if (path := lv.library_for(model)) and not path.exists():
+    if (path := lv.library_for(network)) and not path.exists():
         why.append(f"{path.relative_to(ROOT)} is not built: run `make level{lv.number}`")
     if ("gpu" in lv.needs or device == "cuda") and not gpu_available():
         why.append("no NVIDIA GPU is visible on this machine")
     return why
+
+
+def built_by(compiler: str) -> list[Level]:
+    """The native levels a compiler builds ("cc": a C compiler; "nvcc": the CUDA toolkit's)."""
+    return [lv for lv in LEVELS if compiler in lv.needs]
+
+
+def main(argv: list[str]) -> int:
+    """The Makefile's questions (the module's docstring)."""
+    what, tool = argv
+    if what == "targets":
+        print(" ".join(lv.name for lv in built_by(tool)))
+    elif what == "lab-libraries":
+        print(" ".join(target for lv in built_by(tool) for target in lv.lab_libraries))
+    elif what == "markers":
+        print(" or ".join(lv.name for lv in LEVELS if tool in lv.needs))
+    else:
+        raise SystemExit(f"python -m common.levels: unknown question {what!r} (targets, lab-libraries, markers)")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

@@ -18,8 +18,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from common import lenet, model  # noqa: E402
 from common.contract import DataCache, check_params, check_training, check_X, check_y  # noqa: E402
+from common.nets import lenet, mlp  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")  # float32 products, not TF32
 
@@ -126,9 +126,9 @@ layer_outputs = jax.jit(layer_outputs, static_argnums=0)
 
 
 class JaxScan:
-    """The level contract in JAX, for the network of `network` (common/model.py, common/lenet.py) and `logits_of`."""
+    """The level contract in JAX, for the network of `network` (common/nets/mlp.py, common/nets/lenet.py) and `logits_of`."""
 
-    network = model
+    network = mlp
     logits_of = staticmethod(mlp_logits)
     outputs_of = staticmethod(mlp_outputs)
 
@@ -140,7 +140,7 @@ class JaxScan:
         except RuntimeError as e:
             raise RuntimeError(f"device={device!r} asked for, but JAX has no such backend ({e})") from None
         checked = check_params(params, network=self.network)
-        self._hidden = checked["fc1.weight"].shape[0] if self.network is model else None  # the MLP's, kept
+        self._hidden = checked["fc1.weight"].shape[0] if self.network is mlp else None  # the MLP's, kept
         self.load_state_dict(params)
         self._data = DataCache()
 
@@ -200,6 +200,6 @@ class JaxLeNet(JaxScan):
     outputs_of = staticmethod(lenet_outputs)
 
 
-def jax_peer(network: str) -> type:
-    """The JAX peer of a network of common/models.py."""
-    return {"mlp": JaxScan, "lenet": JaxLeNet}[network]
+def jax_peer(network) -> type:
+    """The JAX peer of a network of common/nets."""
+    return {"mlp": JaxScan, "lenet": JaxLeNet}[network.name]

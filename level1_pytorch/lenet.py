@@ -1,10 +1,10 @@
-"""Level 1 - PyTorch, the gold standard, for the second network: LeNet-5 (common/lenet.py).
+"""Level 1 - PyTorch, the gold standard, for the second network: LeNet-5 (common/nets/lenet.py).
 
 The same contract as the MLP's (mlp.Model: nn.Module, autograd, torch.optim.SGD, full float32, deterministic, CPU and
 CUDA, a float64 twin with dtype="float64", and layers(), every layer's output and gradient, for the verifier's
 per-layer check); only the network differs.
 
-Run: `python -m common.compare --model lenet --levels 1` or `pytest -m level1 -k lenet`.
+Run: `python -m common.harness.compare --model lenet --levels 1` or `pytest -m level1 -k lenet`.
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from common import lenet
+from common.nets import lenet
 from level1_pytorch.mlp import Model
 
 
 class Net(nn.Module):
     """conv1 -> ReLU -> max-pool -> conv2 -> ReLU -> max-pool -> fc1 -> ReLU -> fc2 -> ReLU -> fc3, each layer a module
-    named as in lenet.ACTIVATIONS, so that a forward hook can watch any of them (common/infer.py does)."""
+    named as in lenet.ACTIVATIONS, so that a forward hook can watch any of them (common/harness/serving.py does)."""
 
     def __init__(self):
         super().__init__()

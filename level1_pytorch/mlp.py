@@ -9,9 +9,9 @@ the data set is copied to the GPU once, each step's loss stays on the GPU, and t
 back once per epoch.
 
 The harness also builds a float64 twin of it (dtype="float64": the same code, the same batches, in
-double precision) as the yardstick of float32 noise for the free runs (common/verify.py).
+double precision) as the yardstick of float32 noise for the free runs (common/harness/verify.py).
 
-Run: `python -m common.compare --levels 1` or `pytest -m level1`.
+Run: `python -m common.harness.compare --levels 1` or `pytest -m level1`.
 """
 
 from __future__ import annotations
@@ -28,9 +28,17 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from common import model  # noqa: E402
-from common.contract import DataCache, check_params, check_training, check_X, check_y, hidden_size, n_steps  # noqa: E402
-from common.model import N_IN, N_OUT  # noqa: E402
+from common.contract import (  # noqa: E402
+    DataCache,
+    check_params,
+    check_training,
+    check_X,
+    check_y,
+    hidden_size,
+    n_steps,
+)
+from common.nets import mlp  # noqa: E402
+from common.nets.mlp import N_IN, N_OUT  # noqa: E402
 
 
 class Net(nn.Module):
@@ -43,7 +51,7 @@ class Net(nn.Module):
         self.fc2 = nn.Linear(hidden, N_OUT)
 
     def forward(self, x: torch.Tensor, keep: dict | None = None) -> torch.Tensor:
-        """Logits of x (N, 784); with `keep`, every layer's output is stored there by name (model.activations)."""
+        """Logits of x (N, 784); with `keep`, every layer's output is stored there by name (mlp.activations)."""
         h = self.fc1(x)
         a = self.relu1(h)
         logits = self.fc2(a)
@@ -66,7 +74,7 @@ class Model:
     """The level contract, implemented with nn.Module, autograd and torch.optim.SGD, for any network: `build` makes
     the module, `network` names its parameters (the MLP below; LeNet-5 in lenet.py)."""
 
-    network = model  # the module of the network's parameter names and shapes
+    network = mlp  # the module of the network's parameter names and shapes
 
     def __init__(self, params: dict[str, np.ndarray], device: str = "cpu", dtype: str = "float32"):
         if device not in ("cpu", "cuda"):

@@ -1,6 +1,6 @@
 """Level 1's peers: the same training step as a PyTorch or JAX user would write it for speed on a GPU.
 
-The benchmark's yardsticks for the GPU levels, measured in the same run (common/compare.py adds them on a GPU):
+The benchmark's yardsticks for the GPU levels, measured in the same run (common/harness/compare.py adds them on a GPU):
   - torch-eager: level 1 without the deterministic-algorithm mode that the gold standard needs (cuDNN free to pick
     its fastest algorithms); everything else, float32 with TF32 off included, as level 1. The plain PyTorch loop.
   - torch-graph: one whole training step - pick the batch's rows by a step counter on the GPU, forward, loss,
@@ -10,10 +10,10 @@ The benchmark's yardsticks for the GPU levels, measured in the same run (common/
     and PyTorch's fused SGD: the strongest loop a PyTorch user would write.
   - jax-scan: the network in JAX, a whole epoch as one jit-compiled lax.scan (jax_peer.py), where JAX is installed.
 Each implements the level contract (the PyTorch ones are level 1's class with another train_epoch), so the harness
-verifies them like any level before it reports their speed. For each network (common/models.py): `peers("lenet")`.
+verifies them like any level before it reports their speed. For each network (common/nets): `peers("lenet")`.
 Their speed is checked against the same loops written plainly, apart from the harness (plain_peers.py):
 
-    python -m level1_pytorch.peers --check results/h100/chapter [results/h100/lenet-inference ...]
+    python -m common.harness.peers --check results/h100/chapter [results/h100/lenet-inference ...]
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from common.contract import check_training
+from common.levels import THE_MLP, level
+from common.nets import Network
 from level1_pytorch.mlp import Model
 
 # TF32 stays off everywhere in this course (level 1's chapter says why); torch.compile's advice to turn it on is not
@@ -162,21 +164,19 @@ class CompileLoop(GraphLoop):
         return self._compiled(self.net, X_dev, y_dev, index)
 
 
-def peers(network: str = "mlp") -> dict[str, type]:
-    """The peers of a network (common/models.py) this machine has, by name: its level-1 class with each PyTorch loop,
-    and its JAX twin where JAX is installed (missing() says why one is absent)."""
+def peers(network: Network) -> dict[str, type]:
+    """The peers the networks' list names for a network (common/nets) that this machine has, by name: its level-1
+    class with each PyTorch loop, and its JAX twin where JAX is installed (missing() says why one is absent)."""
     found = torch_peers(network)
     if not missing("jax-scan"):
         from level1_pytorch.jax_peer import jax_peer
 
         found["jax-scan"] = jax_peer(network)
-    return found
+    return {name: cls for name, cls in found.items() if name in network.peers}
 
 
-def torch_peers(network: str) -> dict[str, type]:
+def torch_peers(network: Network) -> dict[str, type]:
     """The network's level-1 class with each PyTorch loop, by name."""
-    from common.levels import level
-
     base = level(1).load(network)
     loops = {"torch-eager": EagerLoop, "torch-graph": GraphLoop, "torch-compile": CompileLoop}
     return {name: type(f"{loop.__name__.removesuffix('Loop')}{base.__name__}", (loop, base), {"__module__": __name__})
@@ -190,88 +190,4 @@ def missing(name: str) -> str | None:
     return None
 
 
-Eager, Graph, Compile = torch_peers("mlp").values()  # the MLP's
-
-
-# ---- the check: the harness's peer rows against the plain loops of plain_peers.py ----
-
-
-def check(folder) -> list[str]:
-    """Time plain_peers' loops at the settings of a results folder (a training preset's, or make infer's) and compare
-    them with its peer rows; print both, return the rows that disagree by more than plain_peers.TOLERANCE."""
-    import json
-    from pathlib import Path
-
-    from level1_pytorch import plain_peers
-
-    results = json.loads((Path(folder) / "results.json").read_text())
-    if "batches" in results:  # make infer's
-        pairs = serving_pairs(results)
-    else:
-        pairs = training_pairs(results)
-    bad = []
-    print(f"{folder}: the harness's row against its plain twin (ratio = harness / plain)")
-    for name, harness, plain, unit in pairs:
-        ratio = harness / plain
-        agrees = 1 / plain_peers.TOLERANCE <= ratio <= plain_peers.TOLERANCE
-        print(f"  {name:<24} harness {harness:10.1f} {unit}   plain {plain:10.1f} {unit}   {ratio:5.2f}x"
-              f"  {'ok' if agrees else 'DISAGREE'}")
-        bad += [] if agrees else [f"{folder}: {name}"]
-    return bad
-
-
-def training_pairs(results: dict) -> list[tuple[str, float, float, str]]:
-    """(peer, harness us/step, plain us/step) at a training preset's settings."""
-    from common.compare import training_set
-    from common.data import load_mnist
-    from common.models import get
-    from level1_pytorch import plain_peers
-
-    s = results["settings"]
-    network = get(s["model"])
-    args = type("Settings", (), {**s, "repeat": True, "hidden": s.get("hidden")})
-    X, y, n = training_set(load_mnist(quiet=True), args)
-    params = network.network.init_params(s["seed"], s.get("hidden"))
-    plain = plain_peers.training_peers(s["model"], params, X, y, s["batch"], s["lr"], s.get("hidden"), s["epochs"])
-    steps = -(-n // s["batch"])
-    rows = {r["level"].removesuffix("[cuda]"): r for r in results["table"]}
-    return [(name, rows[name]["us_per_step"], 1e6 * seconds / steps, "us/step") for name, seconds in plain.items()
-            if name in rows and rows[name]["us_per_step"]]
-
-
-def serving_pairs(results: dict) -> list[tuple[str, float, float, str]]:
-    """(peer at a batch size, harness p50 us, plain p50 us) of make infer's PyTorch rows."""
-    from common.data import load_mnist, normalize
-    from common.infer import load_weights
-    from level1_pytorch import plain_peers
-
-    params = load_weights(results["weights"])
-    X = normalize(load_mnist(quiet=True).test_images)
-    pairs = []
-    for batch in results["batches"]:
-        plain = plain_peers.serving_peers(params, X[:batch], results["calls"])
-        pairs += [(f"{name}, batch {batch}", results["rows"][name]["times"][str(batch)]["p50_us"], us, "us/call")
-                  for name, us in plain.items() if name in results["rows"]]
-    return pairs
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    from level1_pytorch.plain_peers import TOLERANCE
-
-    p = argparse.ArgumentParser(description="Check the harness's peer rows against the same loops written plainly.")
-    p.add_argument("--check", nargs="+", required=True, metavar="FOLDER",
-                   help="results folders: a preset of make bench (results/h100/chapter) or make infer's")
-    args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("the peers run on an NVIDIA GPU, and PyTorch sees none here")
-        return 1
-    bad = [row for folder in args.check for row in check(folder)]
-    for row in bad:
-        print(f"DISAGREE: {row}: the harness's peer and its plain twin are more than {TOLERANCE}x apart")
-    return 1 if bad else 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+Eager, Graph, Compile = torch_peers(THE_MLP).values()  # the MLP's

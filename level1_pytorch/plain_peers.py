@@ -3,7 +3,7 @@
     python -m level1_pytorch.peers --check results/h100/chapter              # a training preset's peer rows
     python -m level1_pytorch.peers --check results/h100/lenet-inference      # make infer's PyTorch rows
 
-The harness's peers (peers.py, common/infer.py) are classes that fit the level contract, so that they are verified
+The harness's peers (peers.py, common/harness/serving.py) are classes that fit the level contract, so that they are verified
 like any level. This file shares none of their code: nn.Sequential networks, a training loop, a CUDA graph captured
 once on static buffers, torch.compile. Each is timed the way the harness times its row (training: one untimed epoch,
 then each epoch timed, the median; serving: p50 of single calls, each waited for), and --check compares the two: a

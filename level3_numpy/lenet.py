@@ -1,11 +1,11 @@
-"""Level 3 - NumPy by hand, for LeNet-5 (common/lenet.py): the convolution and the max-pooling written out.
+"""Level 3 - NumPy by hand, for LeNet-5 (common/nets/lenet.py): the convolution and the max-pooling written out.
 
 What this adds over the MLP (mlp.py, whose linear_*, relu_*, softmax_xent_* and sgd_update it reuses): a
 convolution as one matrix product over image patches (im2col: every 5x5 patch of the batch becomes a row), its
 backward as a product and a scatter back into the image (col2im), and max-pooling, whose gradient goes to the one
 element of each window that was the maximum. Vectorized over the batch, float32.
 
-Run: `python -m common.compare --model lenet --levels 1,3` or `pytest -m level3 -k lenet`.
+Run: `python -m common.harness.compare --model lenet --levels 1,3` or `pytest -m level3 -k lenet`.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from common import lenet
 from common.contract import check_X
+from common.nets import lenet
 from level3_numpy.mlp import (
     Model,
     linear_backward,

@@ -7,15 +7,22 @@ that levels 4-6 use in C and CUDA (outputs first there; here they are returned).
 function sits next to its forward, and each can be checked against PyTorch on its own (the chapter
 does: "isolate and conquer").
 
-Run: `python -m common.compare --levels 1,3` or `pytest -m level3`.
+Run: `python -m common.harness.compare --levels 1,3` or `pytest -m level3`.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from common import model
-from common.contract import DataCache, check_params, check_training, check_X, check_y, n_steps
+from common.contract import (
+    DataCache,
+    check_params,
+    check_training,
+    check_X,
+    check_y,
+    n_steps,
+)
+from common.nets import mlp
 
 # ---- the layers: each forward followed by its backward ----
 
@@ -101,7 +108,7 @@ class Model:
     """The level contract, forward and backward by hand, for any network: a subclass writes `_forward` and
     `_loss_and_grads`, and `network` names its parameters (the MLP below; LeNet-5 in lenet.py)."""
 
-    network = model  # the module of the network's parameter names and shapes
+    network = mlp  # the module of the network's parameter names and shapes
 
     def __init__(self, params: dict[str, np.ndarray]):
         self.params = check_params(params, network=self.network)

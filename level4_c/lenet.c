@@ -7,7 +7,7 @@
  * both are checked, and measured against each other. Max-pooling keeps, for each 2x2 window, which element was the
  * maximum - the first of equal ones, as PyTorch does - and its gradient goes there alone.
  *
- * Implements common/lenet.h. Build: `make level4`; test: `pytest -m level4 -k lenet`.
+ * Implements common/native/lenet.h. Build: `make level4`; test: `pytest -m level4 -k lenet`.
  */
 #include "lenet.h"
 

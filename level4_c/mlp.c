@@ -2,13 +2,13 @@
  *
  * What this level adds over level 3: nothing is hidden in a library call any more. Every matrix
  * product is a loop nest we wrote, every buffer is one we allocated, and the steps of an epoch run
- * inside a call from Python (common/native.py, cffi) - a few calls per epoch, each of ~50 ms of
+ * inside a call from Python (common/native/__init__.py, cffi) - a few calls per epoch, each of ~50 ms of
  * steps, so that Ctrl-C is answered in between - so Python's per-call overhead is paid once per
  * call instead of a few dozen times per step as in NumPy.
  * The loops are ordered for the cache: the innermost loop always walks both arrays with stride 1,
  * and each weight row is loaded once per batch and used for every row of the batch.
  *
- * Implements common/mlp.h. Build: `make level4`; test: `pytest -m level4`.
+ * Implements common/native/mlp.h. Build: `make level4`; test: `pytest -m level4`.
  * No BLAS, no threads, no intrinsics: only the compiler's -O3 -march=native auto-vectorizer.
  */
 #include "mlp.h"

@@ -2,7 +2,7 @@
  *
  * What this adds over level4_c/lenet.c: each of its loop nests becomes a kernel with one thread per output, as the
  * MLP's did at this level; the fully connected layers, ReLU, softmax, the batch gather and SGD are the MLP's kernels
- * (mlp.cu, included below), and the model on the device and the step are common/cuda_lenet.cuh, shared with level 6.
+ * (mlp.cu, included below), and the model on the device and the step are common/native/cuda_lenet.cuh, shared with level 6.
  * The backward pass uses no atomics: dx is gathered, one thread
  * per input element summing the outputs it fed, and dw is one thread per weight summing its batch and positions in
  * a fixed order, so reruns are bit-identical.
@@ -10,9 +10,9 @@
  * Then the lesson of the level, a tiled convolution: a block loads its tile of the input, with the halo of K - 1
  * rows and columns that the tile's outputs also read, and its filters into shared memory once; each thread then
  * keeps what it reads in registers and reuses it for several outputs. lenet_set_convolution chooses (LENET_DIRECT
- * or LENET_TILED); both are verified, and `python -m level5_cuda_naive.tiling` measures them against each other.
+ * or LENET_TILED); both are verified, and `python -m common.book.capture_tiling` measures them against each other.
  *
- * Implements common/lenet.h with common/cuda_lenet.cuh. Build: `make level5`; test: `pytest -m "lenet and level5"` on a
+ * Implements common/native/lenet.h with common/native/cuda_lenet.cuh. Build: `make level5`; test: `pytest -m "lenet and level5"` on a
  * GPU machine.
  */
 #include "mlp.cu"
@@ -245,7 +245,7 @@ static int maxpool_backward(lenet *m, float *da, const float *dout, const int *c
     return MLP_OK;
 }
 
-/* ---- the hooks of common/cuda_lenet.cuh ---- */
+/* ---- the hooks of common/native/cuda_lenet.cuh ---- */
 
 static int conv_layer(lenet *m, int layer, float *out, const float *x, const float *w, const float *b, int B) {
     const conv_shape s = CONV[layer];

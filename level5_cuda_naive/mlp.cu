@@ -5,13 +5,13 @@
  * The model lives in device memory: the training set is uploaded once (mlp_set_data), every
  * batch is gathered on the device, and a whole epoch is queued on one stream with no copy and no
  * wait per step; the per-step losses come back in one copy at the end.
- * Everything but the matrix products is shared with level 6, in common/cuda_mlp.cuh.
+ * Everything but the matrix products is shared with level 6, in common/native/cuda_mlp.cuh.
  *
  * The products here are deliberately naive: each thread reads its whole row and column from
  * global memory, with no reuse through shared memory or registers. They are correct and simple,
  * and level 6 (cuBLAS) shows how far from the hardware's speed they are.
  *
- * Implements common/mlp.h. Build: `make level5`; test: `pytest -m level5`; on a GPU machine,
+ * Implements common/native/mlp.h. Build: `make level5`; test: `pytest -m level5`; on a GPU machine,
  * `make test-gpu` builds levels 4-6 and runs every test, GPU ones included.
  */
 #include "cuda_mlp.cuh"

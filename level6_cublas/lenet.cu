@@ -3,7 +3,7 @@
  *
  * What this adds over level5_cuda_naive/lenet.cu: the libraries. cuDNN computes each convolution, its two backward
  * products and each max-pool (level 5's kernels, replaced), and level 6's mlp.cu, included below, brings cuBLAS for
- * the fully connected layers. The model on the device and the step are common/cuda_lenet.cuh, as at level 5.
+ * the fully connected layers. The model on the device and the step are common/native/cuda_lenet.cuh, as at level 5.
  *
  * Three choices make it verifiable (the tests catch the first two planted as bugs):
  *   - FP32 with FMA only (CUDNN_FMA_MATH): cuDNN's default math lets FP32 convolutions run on TF32 tensor cores,
@@ -22,7 +22,7 @@
  * the CPU a few microseconds. The step is captured once (per batch size and learning rate) as a CUDA graph and
  * replayed: one launch per step.
  *
- * Implements common/lenet.h with common/cuda_lenet.cuh. Build: `make level6` (cuDNN from the CUDA toolkit or the
+ * Implements common/native/lenet.h with common/native/cuda_lenet.cuh. Build: `make level6` (cuDNN from the CUDA toolkit or the
  * nvidia-cudnn-cu13 wheel); test: `pytest -m "lenet and level6"` on a GPU machine.
  */
 #define LENET_TRAINS_ITS_OWN_STEPS
@@ -109,7 +109,7 @@ static int conv_bias_backward(lenet *m, float *db, const float *dout, int B, int
     return bias_backward(&m->base, db, partial, B, F);
 }
 
-/* ---- the hooks of common/cuda_lenet.cuh ---- */
+/* ---- the hooks of common/native/cuda_lenet.cuh ---- */
 
 /* out = x correlated with w (cuDNN's CROSS_CORRELATION is PyTorch's Conv2d: no flip), then out += b. */
 static int conv_layer(lenet *m, int layer, float *out, const float *x, const float *w, const float *b, int B) {
@@ -241,7 +241,7 @@ static int level_state_destroy(lenet *m) {
 
 /* ---- the step as a CUDA graph ---- */
 
-/* The graph of one_step (common/cuda_lenet.cuh) for B rows and this learning rate, captured unless the one we have
+/* The graph of one_step (common/native/cuda_lenet.cuh) for B rows and this learning rate, captured unless the one we have
  * still fits: a graph keeps the pointers it was captured with, so a buffer reallocated since (a larger batch, a new
  * data set) means a new one. */
 static int ensure_graph(lenet *m, int B, float lr) {

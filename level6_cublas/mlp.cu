@@ -4,11 +4,11 @@
  * which take nearly all of a step's time, become cublasSgemm calls. cuBLAS's kernels keep tiles of
  * both operands in shared memory and registers and reuse each loaded float many times, where
  * level 5's threads each read a whole row and column from global memory. Nothing else changes:
- * the rest of the step, the device-resident data and the one-stream epoch are common/cuda_mlp.cuh,
+ * the rest of the step, the device-resident data and the one-stream epoch are common/native/cuda_mlp.cuh,
  * shared with level 5, so diffing the two files shows only the products.
  * The new thing to get right is layout: cuBLAS is column-major, our arrays are row-major (below).
  *
- * Implements common/mlp.h. Build: `make level6` (links cuBLAS from the CUDA toolkit, or from the
+ * Implements common/native/mlp.h. Build: `make level6` (links cuBLAS from the CUDA toolkit, or from the
  * nvidia-cublas wheel); test: `pytest -m level6`; on a GPU machine, `make test-gpu` builds levels
  * 4-6 and runs every test, GPU ones included.
  */

@@ -4,7 +4,7 @@
  * kernels do only that, round after round, with level 7's own barriers and share slots (so the numbers are floors of
  * the real thing): in a cluster, each block writes its share into every block's shared memory; in a grid, into
  * global memory, read back by every block. And one more: a ping-pong between two blocks of a cluster through their
- * shared memory, the latency of one distributed-shared-memory hop there and back. Driven by level7_fused/floors.py.
+ * shared memory, the latency of one distributed-shared-memory hop there and back. Driven by common/harness/level7_floors.py.
  */
 #include "mlp.cu"
 

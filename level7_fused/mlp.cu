@@ -356,7 +356,7 @@ __device__ void stress_pause(const Step &st, int where) {
 __device__ void stress_pause(const Step &, int) {}
 #endif
 
-/* The measuring build (level7_fused/phases.py, not the default) times each phase of block 0 with clock64(), after a
+/* The measuring build (common/harness/level7_phases.py, not the default) times each phase of block 0 with clock64(), after a
  * __syncthreads (so a phase ends when the whole block is done with it), in registers; added up at the launch's end. */
 struct PhaseClock {
     long long mark, total[8];
@@ -1030,7 +1030,7 @@ static int grid_buffers(mlp *m, FusedState *state, int batch_size) {
     return MLP_OK;
 }
 
-/* The hook of common/cuda_mlp.cuh: the steps of this call, fused when they fit. */
+/* The hook of common/native/cuda_mlp.cuh: the steps of this call, fused when they fit. */
 static int train_steps(mlp *m, int n_order, int batch_size, float lr) {
 #ifdef LAB_TODO_DEVICE /* the student edition: a device function above is still its stub (mlp_status.h) */
     return FAIL(MLP_ERR_ARG, "%s", LAB_TODO_DEVICE);

@@ -7,11 +7,12 @@ from functools import partial
 import numpy as np
 import pytest
 
-from common import lab, sandbox
-from common.compare import epoch_order, runs_for
-from common.levels import LEVELS, Level, missing
+from common.classroom import lab, sandbox
+from common.harness.compare import epoch_order, runs_for
+from common.levels import LEVELS, THE_MLP, Level, missing
+from common.nets import Network
 
-# In a teacher's grade (common/grade.py --submission), the submission's code runs only in its sandboxed worker.
+# In a teacher's grade (common/classroom/grade.py --submission), the submission's code runs only in its sandboxed worker.
 if sandbox.submission():
     sandbox.stand_in_for_python_tasks()
 
@@ -20,8 +21,14 @@ ALL = runs_for([lv.number for lv in LEVELS], gpu=True)
 # What the suite checks against level 1 on the CPU, the gold standard.
 IMPLEMENTATIONS = ALL[1:]
 # The levels with a native library (C and CUDA), and of those the ones whose kernels are ours.
-NATIVE = [pair for pair in ALL if pair[0].library]
+NATIVE = [pair for pair in ALL if pair[0].library_for()]
 OWN_KERNELS = [pair for pair in NATIVE if pair[1] == "cuda"]
+
+
+def pytest_configure(config):
+    """A marker per level, from common/levels.py's list (`pytest -m level4` runs level 4's tests and chapter)."""
+    for lv in LEVELS:
+        config.addinivalue_line("markers", f"{lv.name}: level {lv.number}, {lv.title}")
 
 
 def pytest_addoption(parser):
@@ -34,7 +41,7 @@ def pytest_addoption(parser):
 
 def implementation_params(pairs=IMPLEMENTATIONS, graded: bool = False):
     """pytest.param per (level, device), marked levelN, plus gpu where it runs on one; graded: also task("<id>") of
-    the level's row in the lab's grade (common/lab.py), which these tests then check."""
+    the level's row in the lab's grade (common/classroom/lab.py), which these tests then check."""
     params = []
     for lv, device in pairs:
         marks = [getattr(pytest.mark, lv.name)] + ([pytest.mark.gpu] if device == "cuda" else [])
@@ -45,13 +52,13 @@ def implementation_params(pairs=IMPLEMENTATIONS, graded: bool = False):
 
 
 def graded(level: int, name: str):
-    """The mark of a check of the lab's grade: task("<id>") of the task of this level and name (common/lab.py)."""
+    """The mark of a check of the lab's grade: task("<id>") of the task of this level and name (common/classroom/lab.py)."""
     return pytest.mark.task(next(t.id for t in lab.TASKS if t.level == level and t.name == name))
 
 
-def require(lv: Level, device: str, config, model: str = "mlp") -> None:
+def require(lv: Level, device: str, config, network: Network = THE_MLP) -> None:
     """Skip (or, with --require-gpu, fail) when this machine cannot run the level (for a network)."""
-    why = missing(lv, device, model)
+    why = missing(lv, device, network)
     if why:
         message = f"{lv.name} on {device} cannot run here: {'; '.join(why)}"
         if device == "cuda" and config.getoption("--require-gpu"):
@@ -89,14 +96,14 @@ def reference(params):
 
 
 def twin(params):
-    """Level 1's float64 twin: the yardstick of float32 noise for free runs (common/verify.py)."""
+    """Level 1's float64 twin: the yardstick of float32 noise for free runs (common/harness/verify.py)."""
     return LEVELS[0].load()(params, device="cpu", dtype="float64")
 
 
 @pytest.fixture(scope="session")
 def mnist():
     """The training images (normalized, read-only) and labels, and the test set, as every level sees them."""
-    from common.data import load_mnist, normalize
+    from common.harness.data import load_mnist, normalize
 
     data = load_mnist(quiet=True)
     return normalize(data.train_images), data.train_labels, normalize(data.test_images), data.test_labels

@@ -2,7 +2,7 @@
  *
  * level4_c/mlp.c and lenet.c keep their layer functions static, as a library should. Including lenet.c here (it
  * includes mlp.c) gives each one an exported wrapper with the same arguments, which returns MLP_OK or, when the
- * function is still a student edition's stub, its status (lab_status, common/mlp_status.h). So each task is checked alone: a bug in one
+ * function is still a student edition's stub, its status (lab_status, common/native/mlp_status.h). So each task is checked alone: a bug in one
  * function cannot fail the check of another. Built by `make build/lab_level4.so`; the Python side reads the
  * declarations between the cdef markers.
  */

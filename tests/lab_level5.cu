@@ -1,7 +1,7 @@
 /* tests/lab_level5.cu - level 5's layer functions one at a time, for the lab's grader (tests/test_tasks.py).
  *
  * Each wrapper takes host arrays, copies them to the device, runs one layer function of level5_cuda_naive/mlp.cu
- * or common/cuda_mlp.cuh (its kernels) on a bare model that has only a stream, and copies the outputs back. So each
+ * or common/native/cuda_mlp.cuh (its kernels) on a bare model that has only a stream, and copies the outputs back. So each
  * task is checked alone: a bug in one kernel cannot fail the check of another. Returns MLP_OK or the failure's
  * status (a student edition's stub: MLP_ERR_ARG, "lab 5.N: ... is not written yet"). Built on a GPU machine by
  * `make build/lab_level5.so`; the Python side reads the declarations between the cdef markers.

@@ -3,7 +3,7 @@
     python tests/lab_submissions.py OUT [--count 100] [--levels 2,3,4]
     make gradebook SUBMISSIONS=OUT
 
-Each submission is a folder with the files a student writes in (python -m common.lab --files): this repository's
+Each submission is a folder with the files a student writes in (python -m common.classroom.lab --files): this repository's
 solutions, the edition's stubs, a classic bug of tests/plant_bugs.py, or one of the hostile ones below (a solution
 that hangs, crashes, writes a perfect score where it hopes the grader looks, reads the held-out checks, deletes
 files, or calls PyTorch). The teacher's only: `make lab` leaves it out of the student edition.
@@ -16,7 +16,7 @@ import random
 import shutil
 from pathlib import Path
 
-from common import lab
+from common.classroom import lab
 from plant_bugs import BUGS
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common.grade import BUILDS
+from common.classroom.grade import BUILDS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -88,15 +88,15 @@ BUGS = [
      "LeNet: the pool's gradient sent to every element of its window"),
     (4, "level4_c/lenet.c", "best = v[i] > v[best] ? i : best;", "best = v[i] >= v[best] ? i : best;",
      "LeNet: the pool takes the last of equal maxima, where PyTorch takes the first"),
-    (5, "common/cuda_mlp.cuh", "dlogits[i] = (probs[i] - onehot) / (float)B;", "dlogits[i] = (probs[i] - onehot);",
+    (5, "common/native/cuda_mlp.cuh", "dlogits[i] = (probs[i] - onehot) / (float)B;", "dlogits[i] = (probs[i] - onehot);",
      "gradients not divided by the batch size"),
     (5, "level5_cuda_naive/mlp.cu", "if (r >= B || o >= n_out) return;", "if (o >= n_out) return;",
      "a kernel that ignores its bounds check on a partial batch"),
-    (5, "common/cuda_mlp.cuh", "    max = warp_max(max);\n", "", "softmax max per thread instead of per row"),
-    (5, "common/cuda_mlp.cuh", "dh[i] = h[i] > 0.0f ? da[i] : 0.0f;", "dh[i] = h[i] >= 0.0f ? da[i] : 0.0f;",
+    (5, "common/native/cuda_mlp.cuh", "    max = warp_max(max);\n", "", "softmax max per thread instead of per row"),
+    (5, "common/native/cuda_mlp.cuh", "dh[i] = h[i] > 0.0f ? da[i] : 0.0f;", "dh[i] = h[i] >= 0.0f ? da[i] : 0.0f;",
      "ReLU gradient wrong at exactly 0"),
-    (5, "common/cuda_mlp.cuh", "p[i] -= lr * dp[i];", "p[i] -= 1.002f * lr * dp[i];", "learning rate 0.2% too large"),
-    (5, "common/cuda_mlp.cuh", "m->x, x + (size_t)start * m->n_in,", "m->x, x,", "forward() repeats its first chunk of rows"),
+    (5, "common/native/cuda_mlp.cuh", "p[i] -= lr * dp[i];", "p[i] -= 1.002f * lr * dp[i];", "learning rate 0.2% too large"),
+    (5, "common/native/cuda_mlp.cuh", "m->x, x + (size_t)start * m->n_in,", "m->x, x,", "forward() repeats its first chunk of rows"),
     # LeNet-5 (level5_cuda_naive/lenet.cu)
     (5, "level5_cuda_naive/lenet.cu", "const bool inside = n < B && row < H && col < H;",
      "const bool inside = n < B && row < H && col < H && e / IN % IN < IN - 1;",

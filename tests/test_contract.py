@@ -8,8 +8,8 @@ import weakref
 import numpy as np
 import pytest
 
-from common.model import init_params
 from common.native import NativeError, NativeMLP
+from common.nets.mlp import init_params
 from conftest import ALL, NATIVE, implementation_params
 
 every_level = pytest.mark.parametrize("impl", implementation_params(ALL))

@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common import data
-from common.data import MNISTError, load_mnist, normalize, read_idx
+from common.harness import data
+from common.harness.data import MNISTError, load_mnist, normalize, read_idx
 
 pytestmark = pytest.mark.data
 

@@ -12,9 +12,14 @@ import numpy as np
 import pytest
 
 from common.levels import level
-from common.model import init_params
+from common.nets.mlp import init_params
 from conftest import implementation_params, require
-from test_levels import assert_free_run_agrees, free_run, in_lockstep, reference_free_run
+from test_levels import (
+    assert_free_run_agrees,
+    free_run,
+    in_lockstep,
+    reference_free_run,
+)
 
 LEVEL7 = implementation_params([(level(7), "cuda")])
 

@@ -1,6 +1,6 @@
-"""How a training set reaches a level: checked and uploaded once (common.data.dataset), checked and copied at every
+"""How a training set reaches a level: checked and uploaded once (common.harness.data.dataset), checked and copied at every
 epoch (a NumPy array that can change), or read in place on the GPU (arrays on a CUDA device: PyTorch, CuPy, Numba,
-DLPack; common/device_arrays.py, mlp_use_device_data in common/mlp.h).
+DLPack; common/contract/device_arrays.py, mlp_use_device_data in common/native/mlp.h).
 
 The CPU tests check the handle, the cache, and every refusal made before native code sees a pointer: fake device
 arrays (a __cuda_array_interface__ dict, and NumPy's own DLPack capsule dressed as a CUDA one). The GPU tests hand
@@ -16,14 +16,16 @@ import weakref
 import numpy as np
 import pytest
 
-from common import lenet
 from common.contract import REUPLOAD, immutable, is_immutable
-from common.data import dataset
-from common.device_arrays import device_array
+from common.contract.device_arrays import device_array
+from common.harness.data import dataset
 from common.levels import level
-from common.model import init_params
 from common.native import NativeMLP
+from common.nets import get, lenet
+from common.nets.mlp import init_params
 from conftest import ALL, NATIVE, implementation_params, require
+
+LENET = get("lenet")
 
 every_level = pytest.mark.parametrize("impl", implementation_params(ALL))
 native_levels = pytest.mark.parametrize("impl", implementation_params(NATIVE))
@@ -183,7 +185,7 @@ def test_only_the_mlps_gpu_levels_take_device_arrays_and_the_others_say_so(facto
     for call in (lambda: model.forward(GOOD_X), lambda: model.loss_and_grads(GOOD_X, GOOD_Y)):
         with pytest.raises(TypeError, match=words):
             call()
-    if not impl[0].library:  # levels 1 and 3; the native levels' train_epoch is the tests' above
+    if not impl[0].library_for():  # levels 1 and 3; the native levels' train_epoch is the tests' above
         with pytest.raises(TypeError, match=words + ".*MLP's GPU levels"):
             model.train_epoch(GOOD_X, GOOD_Y, 4, 0.1)
 
@@ -193,8 +195,8 @@ def test_only_the_mlps_gpu_levels_take_device_arrays_and_the_others_say_so(facto
                                             pytest.param(5, "cuda", marks=[pytest.mark.level5, pytest.mark.gpu],
                                                          id="level5")])
 def test_lenet_takes_numpy_arrays_only(number, device, request):
-    require(level(number), device, request.config, "lenet")
-    model = level(number).load("lenet")(lenet.init_params(0))
+    require(level(number), device, request.config, LENET)
+    model = level(number).load(LENET)(lenet.init_params(0))
     with pytest.raises(TypeError, match="read in place by train_epoch of the MLP's GPU levels"):
         model.train_epoch(GOOD_X, GOOD_Y, 4, 0.1)
 

@@ -8,10 +8,10 @@ import time
 import numpy as np
 import pytest
 
-from common import bench, compare
 from common.contract import is_immutable
+from common.harness import bench, compare
 from common.levels import LEVELS, level, missing
-from common.model import PARAM_NAMES, init_params, param_shapes
+from common.nets.mlp import PARAM_NAMES, init_params, param_shapes
 
 pytestmark = pytest.mark.harness
 
@@ -81,7 +81,7 @@ def test_a_peer_is_checked_and_reported_but_the_exit_status_is_the_levels(tmp_pa
     monkeypatch.setattr(compare, "gpu_available", lambda: True)  # level 1 on CUDA is then skipped, with its reason
     monkeypatch.setattr(compare, "machine", lambda: {"cpu": "test"})
     monkeypatch.setattr(compare, "peer_runs", lambda model: [compare.Run("torch-graph[cuda]", 1, "cpu", off)])
-    monkeypatch.setattr(compare, "missing_peers", lambda: {"jax-scan": "JAX is not installed"})
+    monkeypatch.setattr(compare, "missing_peers", lambda network: {"jax-scan": "JAX is not installed"})
     args = ["--levels", "1,3", "--epochs", "1", "--train-size", "64", "--out", str(tmp_path), "--quiet"]
     assert compare.main(args) == 0
     out = capsys.readouterr().out

@@ -14,7 +14,7 @@ import pytest
 import test_level2
 import test_levels
 import test_tasks
-from common.model import init_params
+from common.nets.mlp import init_params
 from conftest import graded, implementation_params
 from test_tasks import images, layers, task_params  # noqa: F401 (pytest's fixtures, shared with the visible checks)
 

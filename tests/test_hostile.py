@@ -1,8 +1,8 @@
 """What a hostile user tries, and what every level must answer: a clear exception or the right result, never a crash.
 
 Copies, threads, Ctrl-C, data changed behind a cache, sizes past what native code can hold, values that only
-overflow once converted, a failed upload, huge batches. The native levels share one binding (common/native.py)
-and one data cache (common/contract.py), so each fix lives there once and each test runs over every level
+overflow once converted, a failed upload, huge batches. The native levels share one binding (common/native)
+and one data cache (common/contract), so each fix lives there once and each test runs over every level
 where it applies.
 """
 
@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from common.contract import DataCache, immutable
-from common.model import init_params
 from common.native import NativeError, NativeMLP, TrainingInterrupted
+from common.nets.mlp import init_params
 from conftest import ALL, NATIVE, implementation_params, reference
 
 every_level = pytest.mark.parametrize("impl", implementation_params(ALL))

@@ -1,4 +1,4 @@
-"""LeNet-5 served from a PyTorch state_dict (common/infer.py, lenet.h's lenet_infer_*): the weights file refused with
+"""LeNet-5 served from a PyTorch state_dict (common/harness/serving.py, lenet.h's lenet_infer_*): the weights file refused with
 the reason when it is not LeNet's, every level's inference forward checked layer by layer against PyTorch's forward
 hooks, and the loaded batch and its CUDA graph kept right across other calls. The timing is `make infer`'s."""
 
@@ -8,9 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from common import infer, lenet
+from common.harness import serving
 from common.levels import level
+from common.nets import get, lenet
 from conftest import require
+
+LENET = get("lenet")
 
 pytestmark = pytest.mark.lenet
 
@@ -27,14 +30,14 @@ LEVELS = [  # (level, convolution): level 4 on the CPU, and every GPU level's fo
 @pytest.fixture
 def make(request, impl):
     number, convolution = impl
-    require(level(number), "cpu" if number == 4 else "cuda", request.config, "lenet")
-    return lambda params: level(number).load("lenet")(params, convolution=convolution)
+    require(level(number), "cpu" if number == 4 else "cuda", request.config, LENET)
+    return lambda params: level(number).load(LENET)(params, convolution=convolution)
 
 
 @pytest.fixture(scope="module")
 def trained(mnist):
     """Parameters after 60 steps of level 1: the ReLUs and pools decide, the logits are far from 0."""
-    model = level(1).load("lenet")(lenet.init_params(2))
+    model = level(1).load(LENET)(lenet.init_params(2))
     model.train_epoch(mnist[0][:960], mnist[1][:960], 16, 0.05)
     return model.state_dict()
 
@@ -59,8 +62,8 @@ def torch_state(params):
 
 @pytest.mark.level1
 def test_a_saved_state_dict_loads_as_it_was(tmp_path, trained):
-    net = infer.pytorch_net(trained, "cpu")
-    loaded = infer.load_weights(save(tmp_path, net.state_dict()))
+    net = serving.pytorch_net(trained, "cpu")
+    loaded = serving.load_weights(save(tmp_path, net.state_dict()))
     assert list(loaded) == list(lenet.PARAM_NAMES)
     for name in lenet.PARAM_NAMES:
         np.testing.assert_array_equal(loaded[name], trained[name])
@@ -87,7 +90,7 @@ def test_a_bad_weights_file_is_refused_with_the_reason(tmp_path, trained, what):
     state = torch_state(trained)
     spoil(state)
     with pytest.raises(error) as caught:
-        infer.load_weights(save(tmp_path, state))
+        serving.load_weights(save(tmp_path, state))
     assert words in str(caught.value) and "weights.pt" in str(caught.value)
 
 
@@ -97,20 +100,20 @@ def test_a_bad_weights_file_is_refused_with_the_reason(tmp_path, trained, what):
                                          (["--calls", "10"], "--calls must be >= 100")])
 def test_bad_arguments_are_refused_before_anything_runs(args, words, capsys):
     with pytest.raises(SystemExit):
-        infer.main(args)
+        serving.main(args)
     assert words in capsys.readouterr().err
 
 
 def test_files_that_are_not_a_state_dict_are_refused(tmp_path, trained):
     with pytest.raises(FileNotFoundError, match="no such weights file"):
-        infer.load_weights(tmp_path / "absent.pt")
+        serving.load_weights(tmp_path / "absent.pt")
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint at all")
     with pytest.raises(ValueError, match="not a PyTorch file of tensors"):
-        infer.load_weights(tmp_path / "junk.pt")
+        serving.load_weights(tmp_path / "junk.pt")
     with pytest.raises(ValueError, match="holds a list, not a state_dict"):
-        infer.load_weights(save(tmp_path, list(torch_state(trained).values())))
+        serving.load_weights(save(tmp_path, list(torch_state(trained).values())))
     with pytest.raises(ValueError, match="not a PyTorch file of tensors"):  # a whole module pickled: code, refused
-        infer.load_weights(save(tmp_path, infer.pytorch_net(trained, "cpu")))
+        serving.load_weights(save(tmp_path, serving.pytorch_net(trained, "cpu")))
 
 
 # ---- every level's inference forward ----
@@ -119,10 +122,10 @@ def test_files_that_are_not_a_state_dict_are_refused(tmp_path, trained):
 @pytest.mark.parametrize("impl", LEVELS)
 def test_every_layer_matches_pytorchs_forward_hooks(make, trained, test_digits, impl):
     X, labels = test_digits
-    net = infer.pytorch_net(trained, "cpu")
-    logits = infer.pytorch_logits(net, X)
-    layers = infer.hooked_layers(net, X[:infer.CHECK_DIGITS])
-    check = infer.check_level(make(trained), trained, X, labels, layers, logits)
+    net = serving.pytorch_net(trained, "cpu")
+    logits = serving.pytorch_logits(net, X)
+    layers = serving.hooked_layers(net, X[:serving.CHECK_DIGITS])
+    check = serving.check_level(make(trained), trained, X, labels, layers, logits)
     assert check["failure"] is None, check["failure"]
     assert check["per_layer"] <= 1 and abs(check["accuracy"] - (logits.argmax(1) == labels).mean()) < 0.01
 
@@ -130,13 +133,13 @@ def test_every_layer_matches_pytorchs_forward_hooks(make, trained, test_digits, 
 @pytest.mark.level4
 def test_the_per_layer_check_sees_a_wrong_weight(request, trained, test_digits):
     """Sharpness: a level whose conv2 bias is off by 1e-4 in one filter fails at conv2, not later."""
-    require(level(4), "cpu", request.config, "lenet")
+    require(level(4), "cpu", request.config, LENET)
     X, labels = test_digits
     wrong = {k: v.copy() for k, v in trained.items()}
     wrong["conv2.bias"][5] += 1e-4
-    net = infer.pytorch_net(trained, "cpu")
-    check = infer.check_level(level(4).load("lenet")(wrong), trained, X, labels,
-                              infer.hooked_layers(net, X[:infer.CHECK_DIGITS]), infer.pytorch_logits(net, X))
+    net = serving.pytorch_net(trained, "cpu")
+    check = serving.check_level(level(4).load(LENET)(wrong), trained, X, labels,
+                              serving.hooked_layers(net, X[:serving.CHECK_DIGITS]), serving.pytorch_logits(net, X))
     assert check["failure"] and check["failure"].startswith("per layer: conv2's output")
 
 

@@ -1,4 +1,4 @@
-"""The lab's machinery end to end (common/lab.py, common/grade.py, LABS.md): the student edition and its grade.
+"""The lab's machinery end to end (common/classroom/lab.py, common/classroom/grade.py, LABS.md): the student edition and its grade.
 
 A fresh edition builds, its stubs fail clearly, and it grades every task "not attempted" without a crash; this
 repository passes every task this machine can run; one level's solutions copied back into the edition pass that
@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common import lab
+from common.classroom import lab
 from common.levels import ROOT, gpu_available
 from plant_bugs import BUGS, apply, scratch_copy
 
@@ -56,7 +56,7 @@ def run_in(repo: Path, *command: str, timeout: int = 600) -> subprocess.Complete
 
 def grade(repo: Path, out: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict[str, dict]]:
     """`make grade` of the repository at repo, in a process of its own: the run, and the tasks of grade.json (out)."""
-    run = run_in(repo, sys.executable, "-m", "common.grade", "--json", str(out), *args)
+    run = run_in(repo, sys.executable, "-m", "common.classroom.grade", "--json", str(out), *args)
     assert "Traceback" not in run.stderr + run.stdout, run.stderr[-3000:] + run.stdout[-3000:]
     return run, {t["id"]: t for t in json.loads(out.read_text())["tasks"]}
 
@@ -70,7 +70,7 @@ def test_the_markers_are_the_list():
     marked = {t.path for t in lab.TASKS if t.path}
     for name in shipped():
         if lab.language(name) and name not in marked and not name.startswith("common/lab"):
-            assert not lab.regions(name), f"{name} holds marked regions, but no task of common/lab.py is in it"
+            assert not lab.regions(name), f"{name} holds marked regions, but no task of common/classroom/lab.py is in it"
         if name in marked:
             assert {r.task for r in lab.regions(name)} <= {t.id for t in lab.TASKS if t.path == name}, name
 
@@ -88,7 +88,7 @@ def test_a_fresh_edition_builds_and_its_stubs_fail_clearly(edition):
     assert build.returncode == 0, build.stderr[-3000:]
     script = """
 import numpy as np
-from common.model import init_params
+from common.nets.mlp import init_params
 from common.native import NativeError
 from level3_numpy import mlp
 try:
@@ -240,7 +240,7 @@ def test_the_editions_cpu_chapters_run_with_the_stubs_filled_in(edition, tmp_pat
         shutil.copy(ROOT / name, copy / name)
     make = run_in(copy, "make", "-s", "level4", f"PYTHON={sys.executable}")
     assert make.returncode == 0, make.stderr[-2000:]
-    script = ("import json, sys\nfrom common import book\n"
+    script = ("import json, sys\nfrom common.book import make as book\n"
               "for path in sys.argv[1:]:\n"
               "    notebook = book.execute(book.ROOT / path)\n"
               "    print(json.dumps([o.get('text', '') for c in notebook.cells if c.cell_type == 'code' "
@@ -363,7 +363,7 @@ def test_the_workers_answers_carry_numbers_and_never_code():
     answer that claims an array of objects, of records, or bytes it does not hold is refused."""
     import struct
 
-    from common.sandbox import WorkerError, decode, encode
+    from common.classroom.sandbox import WorkerError, decode, encode
 
     message = {"out": np.arange(6, dtype=np.float32).reshape(2, 3).T, "loss": np.float32(0.25),
                "rest": (np.zeros((0, 3)), "text", None, 1.5, [np.int32(7)])}
@@ -395,7 +395,7 @@ def gradebook(tmp_path_factory):
         kinds[student.name] = f"hostile: {kind}"
     before = {name: (ROOT / name).read_bytes() for name in shipped() if name.startswith("tests/")}
     before_subs = {p: p.read_bytes() for p in (folder / "subs").rglob("*") if p.is_file()}
-    run = subprocess.run([sys.executable, "-m", "common.gradebook", str(folder / "subs"), "--out",
+    run = subprocess.run([sys.executable, "-m", "common.classroom.gradebook", str(folder / "subs"), "--out",
                           str(folder / "book"), "--level", "3", "--jobs", "2", "--timeout", "600"], cwd=ROOT,
                          capture_output=True, text=True, timeout=1500, env={**os.environ, "LAB_CALL_TIMEOUT_S": "20"})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -433,7 +433,7 @@ def test_the_gradebook_grades_each_kind_of_submission(gradebook):
     assert "| 3.1 | linear_forward |" in summary and (folder / "book" / "summary.png").stat().st_size > 0
 
 
-@pytest.mark.skipif(not __import__("common.sandbox").sandbox.namespaces_work(),
+@pytest.mark.skipif(not __import__("common.classroom.sandbox", fromlist=["sandbox"]).namespaces_work(),
                     reason="this machine allows no user namespace: the worker cannot be kept from the grader's files")
 def test_the_gradebook_keeps_the_graders_files_and_the_other_submissions_safe(gradebook):
     _, _, before, before_subs, _ = gradebook

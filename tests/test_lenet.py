@@ -1,4 +1,4 @@
-"""LeNet-5, the second network (common/lenet.py), at every level that implements it: the network is PyTorch's, each
+"""LeNet-5, the second network (common/nets/lenet.py), at every level that implements it: the network is PyTorch's, each
 layer of each level matches float64 from its own inputs (per layer), and each step matches level 1's (lockstep).
 
 Small on purpose: a few steps of 16 real digits. The whole chapter run, every step verified, is
@@ -10,12 +10,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from common import lenet, lenet_verify, verify
+from common.harness import verify, verify_lenet
 from common.levels import level
-from common.models import get
+from common.nets import get, lenet
 from conftest import require, sanitize
 
 pytestmark = pytest.mark.lenet
+LENET = get("lenet")
 
 # (level, device, variant): level 1 on either device and the benchmark's peers (level1_pytorch/peers.py); levels 4
 # and 5 with each of their two convolutions; level 6 (cuDNN); level 7 (level 6's training, its forward fused).
@@ -40,20 +41,20 @@ IMPLEMENTATIONS = [
 def make(request):
     """params -> a fresh LeNet of the implementation under test (skips where this machine cannot run it)."""
     number, device, variant = request.param if hasattr(request, "param") else request.getfixturevalue("impl")
-    require(level(number), device, request.config, "lenet")
+    require(level(number), device, request.config, LENET)
     if number == 1:
         from level1_pytorch.peers import missing, peers
 
         if variant and (why := missing(variant)):
             pytest.skip(why)
-        cls = peers("lenet")[variant] if variant else level(1).load("lenet")
+        cls = peers(LENET)[variant] if variant else level(1).load(LENET)
         return lambda params: cls(params, device=device)
-    cls = level(number).load("lenet")
+    cls = level(number).load(LENET)
     return (lambda params: cls(params, convolution=variant)) if variant else cls
 
 
 def reference(params):
-    return level(1).load("lenet")(params, device="cpu")
+    return level(1).load(LENET)(params, device="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +75,7 @@ def trained(mnist):
 
 @pytest.mark.level1
 def test_the_network_is_pytorchs_lenet5():
-    net = level(1).load("lenet")(lenet.init_params(0)).net
+    net = level(1).load(LENET)(lenet.init_params(0)).net
     shapes = {name: tuple(t.shape) for name, t in net.state_dict().items()}
     assert shapes == lenet.SHAPES and list(shapes) == list(lenet.PARAM_NAMES)
     assert sum(int(np.prod(s)) for s in shapes.values()) == 44_426
@@ -108,8 +109,8 @@ def test_level1_layers_are_its_forward_pass(digits):
 def test_the_float64_step_is_level1s_float64_twin(digits):
     """lenet.forward64 (the verifier's yardstick, decisions exposed) against level 1's own float64 twin."""
     params = lenet.init_params(0)
-    step = lenet_verify.LeNetStep(params, *digits, float(np.float32(0.05)))  # the float32 rate every level uses
-    twin = level(1).load("lenet")(params, dtype="float64")
+    step = verify_lenet.LeNetStep(params, *digits, float(np.float32(0.05)))  # the float32 rate every level uses
+    twin = level(1).load(LENET)(params, dtype="float64")
     losses = twin.train_epoch(*digits, 16, 0.05)
     assert abs(step.loss - losses[0]) <= 1e-12 * step.loss
     after = twin.state_dict()
@@ -122,10 +123,10 @@ def test_the_float64_step_is_level1s_float64_twin(digits):
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 def test_every_layer_matches_float64_from_its_own_inputs(make, trained, digits, impl):
-    shares, failure = lenet_verify.per_layer(make(trained).layers(*digits), reference(trained).layers(*digits),
+    shares, failure = verify_lenet.per_layer(make(trained).layers(*digits), reference(trained).layers(*digits),
                                              trained, *digits)
     assert failure is None, failure
-    assert set(shares) >= set(lenet_verify.FORWARD) and max(shares.values()) <= 1
+    assert set(shares) >= set(verify_lenet.FORWARD) and max(shares.values()) <= 1
 
 
 # JAX misses the lockstep rule on LeNet-5: XLA's autotuner picks, for conv1's weight gradient, cuDNN algorithms whose
@@ -140,7 +141,7 @@ JAX_MISSES = pytest.mark.xfail(reason="XLA's autotuned cuDNN filter-gradient alg
 def test_lockstep_with_level1_on_real_digits(make, trained, mnist, impl):
     X, y = mnist[0][:320], mnist[1][:320]
     records, diverged = verify.lockstep({"level": make(trained)}, trained, X, y, [np.arange(320, dtype=np.int32)], 16,
-                                        0.05, model="lenet")
+                                        0.05, network=LENET)
     record = records["level"]
     assert diverged is None and record.failure is None, record.failure
     assert len(record.used) == 20 and max(record.used) <= 1
@@ -191,7 +192,7 @@ def test_bad_input_is_named(make, trained, digits, impl):
         make({k: v for k, v in trained.items() if k != "fc3.bias"})
     if impl[0] == 6:  # a convolution of another level: named, refused
         with pytest.raises(ValueError, match="level 6's convolutions are direct"):
-            level(6).load("lenet")(trained, convolution="tiled")
+            level(6).load(LENET)(trained, convolution="tiled")
 
 
 @pytest.mark.parametrize("number, device, other", [
@@ -201,8 +202,8 @@ def test_bad_input_is_named(make, trained, digits, impl):
 def test_each_levels_two_convolutions_agree(request, trained, digits, number, device, other):
     """The lesson of the level against its direct convolution, every layer. The tiled kernel adds the same terms in
     the same order as the direct one, so it must give the same bits; im2col's matrix product adds them its own way."""
-    require(level(number), device, request.config, "lenet")
-    cls = level(number).load("lenet")
+    require(level(number), device, request.config, LENET)
+    cls = level(number).load(LENET)
     direct, lesson = (cls(trained, convolution=c).layers(*digits) for c in ("direct", other))
     for name in lenet.ACTIVATIONS:
         if other == "tiled":
@@ -227,11 +228,11 @@ HARNESS_VARIANTS = [pytest.param(number, convolution, marks=GPU5 if number == 5 
 def test_the_harness_builds_each_variant_it_names(request, trained, number, convolution):
     """compare.factory hands every option to every level, and the model it builds reports (read back from its
     library) the convolution its row is named for."""
-    from common import compare
+    from common.harness import compare
 
     device = "cuda" if number == 5 else "cpu"
-    require(level(number), device, request.config, "lenet")
-    model = compare.factory(level(number), device, "lenet", convolution=convolution)(trained)
+    require(level(number), device, request.config, LENET)
+    model = compare.factory(level(number), device, LENET, convolution=convolution)(trained)
     assert model.variant() == {"device": device, "convolution": convolution}
 
 
@@ -239,9 +240,9 @@ def test_the_harness_builds_each_variant_it_names(request, trained, number, conv
 def test_level4s_two_convolutions_train_differently(request, trained, mnist):
     """im2col adds a convolution's terms in another order than the direct loops: the two cannot train to the same
     bits. (Identical losses would mean one convolution ran under both names.)"""
-    require(level(4), "cpu", request.config, "lenet")
+    require(level(4), "cpu", request.config, LENET)
     X, y = mnist[0][:320], mnist[1][:320]
-    losses = [level(4).load("lenet")(trained, convolution=c).train_epoch(X, y, 16, 0.05) for c in ("direct", "im2col")]
+    losses = [level(4).load(LENET)(trained, convolution=c).train_epoch(X, y, 16, 0.05) for c in ("direct", "im2col")]
     assert not np.array_equal(losses[0], losses[1])
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-4)
 
@@ -251,12 +252,12 @@ def test_level4s_two_convolutions_train_differently(request, trained, mnist):
 def test_level5s_tiled_convolution_is_the_kernel_that_runs(request, trained, digits):
     """The tiled kernel adds the same terms in the same order as the direct one (the same bits, by design), so its
     row is told apart by the kernels it launches: the profiler sees the tiled forward kernel for "tiled" only."""
-    require(level(5), "cuda", request.config, "lenet")
+    require(level(5), "cuda", request.config, LENET)
     from torch.profiler import ProfilerActivity, profile
 
     launched = {}
     for convolution in ("direct", "tiled"):
-        model = level(5).load("lenet")(trained, convolution=convolution)
+        model = level(5).load(LENET)(trained, convolution=convolution)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             model.train_epoch(*digits, 8, 0.05)
         launched[convolution] = {e.name.split("(")[0].removeprefix("void ") for e in prof.events()
@@ -274,15 +275,15 @@ def test_level5s_tiled_convolution_is_the_kernel_that_runs(request, trained, dig
 def test_gpu_reruns_are_bit_identical_at_odd_sizes(request, mnist, number, convolution):
     """No atomics anywhere (level 6: cuDNN's deterministic algorithms): two runs give the same bits. Batches of 37
     (tiles cut by the edge of the batch) and a forward pass across FORWARD_CHUNK (1,030 rows), against level 4."""
-    require(level(number), "cuda", request.config, "lenet")
+    require(level(number), "cuda", request.config, LENET)
     X, y = mnist[0][:1030], mnist[1][:1030]
     runs = []
     for _ in range(2):
-        model = level(number).load("lenet")(lenet.init_params(3), convolution=convolution)
+        model = level(number).load(LENET)(lenet.init_params(3), convolution=convolution)
         runs.append((model.train_epoch(X[:370], y[:370], 37, 0.05), model.forward(X), model.state_dict()))
     np.testing.assert_array_equal(runs[0][0], runs[1][0])
     np.testing.assert_array_equal(runs[0][1], runs[1][1])
-    cpu = level(4).load("lenet")(runs[0][2])
+    cpu = level(4).load(LENET)(runs[0][2])
     np.testing.assert_allclose(runs[0][1], cpu.forward(X), rtol=1e-4, atol=1e-4)
 
 
@@ -290,7 +291,7 @@ def test_gpu_reruns_are_bit_identical_at_odd_sizes(request, mnist, number, convo
 # and inference: its graph, recaptured for another batch, and every layer kept (level 7's fused kernel).
 SANITIZER_SCRIPT = """
 import numpy as np
-from common.lenet import init_params
+from common.nets.lenet import init_params
 from {package} import LeNet
 rng = np.random.default_rng(0)
 X, y = rng.standard_normal((1030, 784)).astype(np.float32), rng.integers(0, 10, 1030)
@@ -314,13 +315,12 @@ for convolution in {convolutions}:
 def test_gpu_kernels_are_clean_under_compute_sanitizer(request, tool, number):
     """A read past the halo, a tile read before every thread has written it, a barrier some threads skip: none need
     change a loss, and compute-sanitizer sees each (level 6: around cuDNN's and cuBLAS's kernels, and its graph)."""
-    require(level(number), "cuda", request.config, "lenet")
+    require(level(number), "cuda", request.config, LENET)
     convolutions = ("direct", "tiled") if number == 5 else ("direct",)
     sanitize(tool, SANITIZER_SCRIPT.format(package=level(number).package, convolutions=convolutions))
 
 
-def test_the_model_list_names_each_networks_parts():
-    model = get("lenet")
-    assert model.network is lenet and model.levels == (1, 2, 3, 4, 5, 6, 7)
-    assert model.float64_step() is lenet_verify.LeNetStep
-    assert "no model 'resnet'" in str(pytest.raises(KeyError, get, "resnet").value)
+def test_the_network_list_names_each_networks_parts():
+    assert LENET.network is lenet and LENET.levels == (1, 2, 3, 4, 5, 6, 7)
+    assert LENET.float64_step() is verify_lenet.LeNetStep and LENET.per_layer_check() is verify_lenet.per_layer
+    assert "no network 'resnet'" in str(pytest.raises(KeyError, get, "resnet").value)

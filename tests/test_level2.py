@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.model import N_IN, N_OUT, PARAM_NAMES, init_params
+from common.nets.mlp import N_IN, N_OUT, PARAM_NAMES, init_params
 from conftest import graded
 from level2_theory import backprop as bp
 

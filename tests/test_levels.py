@@ -13,16 +13,25 @@ import numpy as np
 import pytest
 import torch
 
-from common import sandbox, verify
-from common.compare import epoch_order
+from common.classroom import sandbox
+from common.harness import verify
+from common.harness.compare import epoch_order
 from common.levels import ROOT, level
-from common.model import PARAM_NAMES, init_params
 from common.native import ffi
-from conftest import ALL, OWN_KERNELS, implementation_params, reference, sanitize, train, twin
+from common.nets.mlp import PARAM_NAMES, init_params
+from conftest import (
+    ALL,
+    OWN_KERNELS,
+    implementation_params,
+    reference,
+    sanitize,
+    train,
+    twin,
+)
 
 # Against level 1's own runs: every implementation but level 1 on the CPU itself.
 chapter_against_level1 = pytest.mark.parametrize("impl", implementation_params())
-# The same, and each a check of the level's row in the lab's grade (common/lab.py): all but the chapter's long runs.
+# The same, and each a check of the level's row in the lab's grade (common/classroom/lab.py): all but the chapter's long runs.
 against_level1 = pytest.mark.parametrize("impl", implementation_params(graded=True))
 # Against torch autograd written from scratch, or against itself: every implementation, level 1 included.
 every_level = pytest.mark.parametrize("impl", implementation_params(ALL, graded=True))
@@ -36,7 +45,7 @@ GRAD_ATOL = 1e-5
 
 
 def in_lockstep(factory, params, X, y, epochs: int, batch: int, lr: float, shuffle: bool = False):
-    """The harness's lockstep check (common/verify.py) of a fresh model over every step of the run; its record."""
+    """The harness's lockstep check (common/harness/verify.py) of a fresh model over every step of the run; its record."""
     orders = [epoch_order(len(X), e, 0, shuffle) for e in range(epochs)]
     records, reference_diverged = verify.lockstep({"level": factory(params)}, params, X, y, orders, batch, lr)
     assert reference_diverged is None, reference_diverged
@@ -127,7 +136,7 @@ def torch_loss_and_grads(params, X, y):
 @against_level1
 @pytest.mark.parametrize("hidden, batch", [(256, 16), (37, 13)])
 def test_every_layer_matches_float64_from_its_own_inputs(factory, mnist, hidden, batch):
-    """Per layer (common/verify.py): each layer's output and each gradient, from the level's own inputs to that layer,
+    """Per layer (common/harness/verify.py): each layer's output and each gradient, from the level's own inputs to that layer,
     against float64, with level 1's layers as the yardstick; a ReLU exactly."""
     params = reference(init_params(2, hidden)).state_dict()
     X, y = mnist[0][:batch], mnist[1][:batch]
@@ -290,7 +299,7 @@ def test_level7_exchange_holds_when_blocks_run_apart(factory, mnist, monkeypatch
 # across FORWARD_CHUNK (1,030 = 1,024 + 6 rows), odd hidden sizes: wherever a kernel's bounds check matters.
 MEMCHECK_SCRIPT = """
 import numpy as np, {package}
-from common.model import init_params
+from common.nets.mlp import init_params
 rng = np.random.default_rng(0)
 X = rng.standard_normal((1030, 784)).astype(np.float32)
 y = rng.integers(0, 10, 1030)

@@ -1,6 +1,6 @@
 """The chapters: each runs from top to bottom, its committed outputs are current, and its exercises name real code.
 
-The chapters are found by glob (common.book.CHAPTERS), so a new one is tested without editing this file. Each test is
+The chapters are found by glob (common.book.make.CHAPTERS), so a new one is tested without editing this file. Each test is
 marked `notebooks` and its level's marker (from the folder name, levelN_...), so `pytest -m level3` also runs level 3's
 chapter. Executing needs nbclient and ipykernel (the `test` extra); where they are missing those tests skip, saying so.
 """
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from common import book
-from common.chapter import SCREEN_WIDTH, c_function
-from common.lab import MARKER
+from common.book import make as book
+from common.book.chapter import SCREEN_WIDTH, c_function
+from common.classroom.lab import MARKER
 from common.levels import ROOT, gpu_available
 
 MAX_KIB = 1536  # a chapter with its figures; PNGs at screen resolution keep each well under this
@@ -122,7 +122,7 @@ def test_a_capture_is_stale_once_a_source_it_quotes_changes(tmp_path):
     book.write_capture(capture, "==1==    by 0x10AE7D: mlp_set_data (mlp.c:296)\nat cuda_mlp.cuh:547\n",
                        ["tests/check_memory.c"])
     sources = json.loads((tmp_path / book.SOURCES).read_text())["leak.txt"]
-    assert set(sources) == {"level4_c/mlp.c", "common/cuda_mlp.cuh", "tests/check_memory.c"}
+    assert set(sources) == {"level4_c/mlp.c", "common/native/cuda_mlp.cuh", "tests/check_memory.c"}
     assert book.capture_stale(capture) == []
     (tmp_path / book.SOURCES).write_text(json.dumps({"leak.txt": {**sources, "level4_c/mlp.c": "0" * 16}}))
     assert book.capture_stale(capture) == [f"{capture} quotes level4_c/mlp.c, which changed since it was captured"]
@@ -136,4 +136,4 @@ def test_every_committed_capture_quotes_the_current_sources():
                 for name in json.loads(record.read_text())]
     assert captures, "no capture records its sources"
     stale = [why for capture in captures for why in book.capture_stale(capture)]
-    assert not stale, "; ".join(stale) + ": capture them again (level4_c/memory.py, level5_cuda_naive/debugging.py)"
+    assert not stale, "; ".join(stale) + ": capture them again (common/book/capture_memory.py, common/book/capture_debugging.py)"

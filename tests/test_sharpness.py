@@ -1,6 +1,6 @@
 """The verifier's own sharpness: an error of 1.5x what a rule allows fails, and one of 0.5x passes.
 
-Each rule is written here again from its statement (common/verify.py's and common/lenet_verify.py's docstrings), with
+Each rule is written here again from its statement (common/harness/verify.py's and common/harness/verify_lenet.py's docstrings), with
 its numbers, not read from the code it tests: a rule made looser there (a yardstick 10x larger, a wider band, a
 larger reach for ties) fails these tests.
     update:   ||theta - theta_64|| <= 2 ||theta_1 - theta_64|| + 2u ||theta_64|| + 32u ||update||, per tensor
@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from common import lenet, lenet_verify, model, verify
+from common.harness import verify, verify_lenet
 from common.levels import level
-from common.models import get
+from common.nets import get, lenet, mlp
 
 pytestmark = pytest.mark.harness
 
@@ -41,7 +41,7 @@ class Nudged:
 
     def __init__(self, network: str, params, tensor: str | None = None, share: float = 0.0, loss_share: float = 0.0):
         self.network, self.tensor, self.share, self.loss_share = get(network), tensor, share, loss_share
-        self.inner = level(1).load(network)(params)
+        self.inner = level(1).load(self.network)(params)
 
     def layers(self, X, y):
         return self.inner.layers(X, y)
@@ -76,8 +76,8 @@ def batches(mnist):
 def start(mnist):
     """Each network after 30 steps of level 1 (batch 16): past the first steps."""
     params = {}
-    for name, network in (("mlp", model), ("lenet", lenet)):
-        reference = level(1).load(name)(network.init_params(3))
+    for name, network in (("mlp", mlp), ("lenet", lenet)):
+        reference = level(1).load(get(name))(network.init_params(3))
         reference.train_epoch(mnist[0][:480], mnist[1][:480], 16, 0.05)
         params[name] = reference.state_dict()
     return params
@@ -85,13 +85,13 @@ def start(mnist):
 
 def one_step(network: str, candidate, params, X, y) -> verify.LockstepRecord:
     records, diverged = verify.lockstep({"level": candidate}, params, X, y, [np.arange(len(X), dtype=np.int32)],
-                                        len(X), 0.05, model=network)
+                                        len(X), 0.05, network=get(network))
     assert diverged is None
     return records["level"]
 
 
 TENSORS = [pytest.param(network, name, id=f"{network}-{name}")
-           for network, names in (("mlp", model.PARAM_NAMES), ("lenet", lenet.PARAM_NAMES)) for name in names]
+           for network, names in (("mlp", mlp.PARAM_NAMES), ("lenet", lenet.PARAM_NAMES)) for name in names]
 
 
 @pytest.mark.parametrize("share", SHARES)
@@ -125,7 +125,7 @@ def relu1_tie(params, x, y, at: float) -> tuple[dict, tuple[int, int, int]]:
     w = params["conv1.weight"][0, 0].astype(np.float64)
     patches = np.lib.stride_tricks.sliding_window_view(image, (5, 5))
     dots = (patches * w).sum(axis=(2, 3))  # (24, 24): the bias shifts them all alike, so each window keeps its max
-    dpool = np.abs(level(1).load("lenet")(params).layers(x, y)[1]["pool1"][0, 0])  # (12, 12)
+    dpool = np.abs(level(1).load(get("lenet"))(params).layers(x, y)[1]["pool1"][0, 0])  # (12, 12)
     window_max = dots.reshape(12, 2, 12, 2).max(axis=(1, 3)).repeat(2, axis=0).repeat(2, axis=1)
     score = np.where(dots == window_max, dpool.repeat(2, axis=0).repeat(2, axis=1), 0) * np.abs(patches).sum(axis=(2, 3))
     r, c = np.unravel_index(score.argmax(), score.shape)
@@ -142,7 +142,7 @@ class FlipsOneReLU:
     its layers() shows that decision, its step is the float64 step taking it."""
 
     def __init__(self, params, where):
-        self.inner, self.where = level(1).load("lenet")(params), where
+        self.inner, self.where = level(1).load(get("lenet"))(params), where
         self.flat = np.ravel_multi_index((0, *where), (16, 6, 24, 24))
 
     def state_dict(self):
@@ -157,7 +157,7 @@ class FlipsOneReLU:
         return outputs, grads
 
     def train_epoch(self, X, y, batch_size, lr, order=None):
-        step = lenet_verify.LeNetStep(self.inner.state_dict(), X[order], y[order], float(np.float32(lr)))
+        step = verify_lenet.LeNetStep(self.inner.state_dict(), X[order], y[order], float(np.float32(lr)))
         start = {k: torch.tensor(v) for k, v in step.start.items()}
         exact = int(lenet.forward64(start, torch.tensor(step.x))[1]["relu1"].reshape(-1)[self.flat] > 0)
         params, loss, _ = step._run({("relu1", int(self.flat)): 1 - exact})
@@ -181,7 +181,7 @@ def test_the_pool_tie_rule(share):
     """A window whose top two are `share` times the sum of their reaches apart is a candidate only below 1."""
     a = torch.tensor([[[[5.0, 5.0 - 2e-3 * share], [1.0, 0.0]]]], dtype=torch.float64)
     bound = torch.full_like(a, 1e-3)
-    found = lenet_verify._pool_candidates("pool1", a, bound)
+    found = verify_lenet._pool_candidates("pool1", a, bound)
     assert [(c.layer, c.position, c.exact) for c in found] == ([("pool1", (0, 0, 0), 0)] if share < 1 else [])
 
 
@@ -190,8 +190,8 @@ def test_the_relu_tie_rule_of_the_mlp(share):
     """A hidden unit whose exact pre-activation is `share` times gamma_785 x (|b| + sum |w x|) from 0 is a candidate
     only below 1."""
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((1, model.N_IN)).astype(np.float32)
-    params = model.init_params(0, 4)
+    x = rng.standard_normal((1, mlp.N_IN)).astype(np.float32)
+    params = mlp.init_params(0, 4)
     w, b = params["fc1.weight"][0].astype(np.float64), 0.0
     dot, total = float(w @ x[0]), float(np.abs(w) @ np.abs(x[0]))
     gamma = 785 * U / (1 - 785 * U)
@@ -223,7 +223,7 @@ def test_the_test_accuracy_band(share):
     assert (run.failure is not None) == (share > 1)
 
 
-# ---- the per-layer check (common/verify.py): every layer's output and every gradient, each on its own ----
+# ---- the per-layer check (common/harness/verify.py): every layer's output and every gradient, each on its own ----
 #   per layer: ||got - float64 of the level's own inputs|| <= 2 ||level 1's - its float64|| + 34u ||float64||;
 #              a ReLU or a max-pool (and their gradients) exactly.
 
@@ -242,8 +242,8 @@ def checks_of(network: str) -> list[str]:
 
 
 def per_layer(network: str):
-    """The per-layer check of a network."""
-    return verify.mlp_per_layer if network == "mlp" else lenet_verify.per_layer
+    """The per-layer check of a network, as the networks' list names it."""
+    return get(network).per_layer_check()
 
 
 def planted_layers(model, X, y, output=None, gradient=None):
@@ -304,9 +304,9 @@ def test_the_per_layer_rule_of_each_layer(start, batches, network, check, share)
     X, y = batches
     params = start[network]
     layers, exact_layers = NETWORK_LAYERS[network]
-    model = level(1).load(network)(params)
+    model = level(1).load(get(network))(params)
     clean = planted_layers(model, X, y)
-    ops = (verify.mlp_layer_ops if network == "mlp" else lenet_verify.layer_ops)(params, X, clean[0])
+    ops = (verify.mlp_layer_ops if network == "mlp" else verify_lenet.layer_ops)(params, X, clean[0])
     forward64, backward64 = verify.layer_references(ops, clean[0][layers[-1]], y, clean[1])
     layer = check.removeprefix("d")
     exact_layer = layer in exact_layers

@@ -1,5 +1,5 @@
-"""The lab's tasks, one check each: `make grade` (common/grade.py) runs those of the attempted tasks; `pytest -m task`
-runs every one (the tasks are listed in common/lab.py).
+"""The lab's tasks, one check each: `make grade` (common/classroom/grade.py) runs those of the attempted tasks; `pytest -m task`
+runs every one (the tasks are listed in common/classroom/lab.py).
 
 Each test is marked task("<id>") through its parameter and checks that task's function alone, against float64
 computed here, at odd sizes and on MNIST rows, with inputs chosen to expose the classic bugs of tests/plant_bugs.py:
@@ -10,7 +10,7 @@ lab_level7.cu), level 6's calls through cuBLAS's layout rules in NumPy. Level 2'
 checked by tests marked the same way in test_level2.py and test_levels.py.
 
 The tolerance of a sum: float32 adds n terms, in any order and with or without fused multiply-adds, to within
-gamma_n * sum |terms| of the exact sum (common/verify.py). The bound is rigorous, so a correct function cannot
+gamma_n * sum |terms| of the exact sum (common/harness/verify.py). The bound is rigorous, so a correct function cannot
 exceed it, and each classic bug exceeds it by orders of magnitude.
 """
 
@@ -27,11 +27,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common import lab, labnative, sandbox
+from common.classroom import lab, lab_native, sandbox
+from common.classroom.sgemm import sgemm
+from common.harness.verify import LOSS_ATOL, LOSS_RTOL, U, gamma
 from common.levels import ROOT, level
-from common.model import N_IN, N_OUT, param_shapes
-from common.sgemm import sgemm
-from common.verify import LOSS_ATOL, LOSS_RTOL, U, gamma
+from common.nets.mlp import N_IN, N_OUT, param_shapes
 from conftest import require
 
 # Odd sizes (B, n_in, n_out): one of everything, all different, square (where only values show a transpose), and
@@ -63,10 +63,10 @@ def library(number: int, config) -> None:
 
 
 def native(function: str, *args, gpu: bool):
-    """common.labnative's function: run here, or in a teacher's grade by the submission's sandboxed worker."""
+    """common.classroom.lab_native's function: run here, or in a teacher's grade by the submission's sandboxed worker."""
     if sandbox.submission():
-        return sandbox.remote_function("common.labnative", function, gpu=gpu)(*args)
-    return getattr(labnative, function)(*args)
+        return sandbox.remote_function("common.classroom.lab_native", function, gpu=gpu)(*args)
+    return getattr(lab_native, function)(*args)
 
 
 @pytest.fixture
@@ -76,8 +76,8 @@ def layers(task, request):
         return importlib.import_module(task.path.removesuffix(".py").replace("/", "."))
     library(task.level, request.config)  # skips where it cannot run
     if sandbox.submission():
-        return sandbox.RemoteObject("common.labnative:layers", task.level, gpu=task.gpu)
-    return labnative.layers(task.level)
+        return sandbox.RemoteObject("common.classroom.lab_native:layers", task.level, gpu=task.gpu)
+    return lab_native.layers(task.level)
 
 
 @pytest.fixture(scope="module")
@@ -230,7 +230,7 @@ def test_softmax_xent_forward(layers, B, n_out, scale):
     exact_loss, exact_probs = exact_softmax_xent(logits, y)
     assert np.isfinite(loss) and np.isfinite(probs).all(), OVERFLOW
     below_max = f64(logits).max(axis=1, keepdims=True) - logits
-    # The loss: the lockstep rule of common/verify.py (the rounding of a log-sum-exp and a logit, a few units each).
+    # The loss: the lockstep rule of common/harness/verify.py (the rounding of a log-sum-exp and a logit, a few units each).
     summed = f" ({BY_B.format(factor=B)})" if B > 1 and abs(float(loss) - B * exact_loss) <= 1e-4 * B * exact_loss else ""
     assert abs(float(loss) - exact_loss) <= LOSS_RTOL * exact_loss + LOSS_ATOL, f"loss {loss}, exact {exact_loss}{summed}"
     # Each probability: rounding z - max moves exp() by |z - max| u relatively, and exp, the sum of n_out terms and
@@ -455,7 +455,7 @@ def sgemm_call(region: str) -> list[str]:
                          + task_params("dx = dout @ w"))
 def test_cublas_layout(task):
     """The call as written, its sizes, leading dimensions and operands read from the source, run through
-    common/sgemm.py on flat row-major arrays: it must give the row-major product, whatever the output held before."""
+    common/classroom/sgemm.py on flat row-major arrays: it must give the row-major product, whatever the output held before."""
     region = next(r for r in lab.regions(task.path, sandbox.submission() or ROOT) if r.task == task.id)
     args = sgemm_call(region.body)
     assert len(args) == 14, f"cublasSgemm takes 14 arguments, the call has {len(args)}"
@@ -488,7 +488,7 @@ def evaluate(expression: str, names: dict):
 # here; in a teacher's grade, the submission's worker), ended after this.
 BARRIER_DEADLINE_S = 30
 BARRIER_CHILD = """
-from common.labnative import grid_barrier
+from common.classroom.lab_native import grid_barrier
 print(*grid_barrier(1024, 1000))
 """
 
@@ -497,7 +497,7 @@ print(*grid_barrier(1024, 1000))
 def test_grid_barrier(task, request):
     library(7, request.config)  # skips where level 7 cannot run
     if sandbox.submission():
-        rounds = sandbox.remote_function("common.labnative", "grid_barrier", gpu=True, timeout=BARRIER_DEADLINE_S)
+        rounds = sandbox.remote_function("common.classroom.lab_native", "grid_barrier", gpu=True, timeout=BARRIER_DEADLINE_S)
         try:
             status, late, launched, message = rounds(1024, 1000)
         except sandbox.WorkerError as e:

@@ -1,4 +1,4 @@
-"""The verifier itself (common/verify.py): what it must catch, what it must let through, and what it reports.
+"""The verifier itself (common/harness/verify.py): what it must catch, what it must let through, and what it reports.
 
 Each test builds the situation on purpose - a learning rate 0.2% off, a ReLU tie, a mismatch that is not a
 tie, a free run outside float32 noise, a divergence - on real MNIST digits, and checks the verdict.
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from common import compare, verify
-from common.model import init_params
+from common.harness import compare, verify
+from common.nets.mlp import init_params
 from conftest import reference
 
 pytestmark = pytest.mark.harness
@@ -178,7 +178,7 @@ def test_huge_inputs_are_named_as_the_cause():
     losses = np.array([2.3, np.inf, np.nan], dtype=np.float32)
     assert verify.divergence(losses, 0.01, np.full((4, 784), 1e38, np.float32)) == (
         "diverged: loss inf at step 1; likely cause: the inputs reach |x| = 1e+38: normalize them "
-        "(common.data.normalize)")
+        "(common.harness.data.normalize)")
 
 
 def test_lockstep_runs_pytorch_on_one_thread_and_restores_it():

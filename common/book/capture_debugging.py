@@ -1,0 +1,214 @@
+"""The GPU chapter's debugging and profiling section, captured for real on a GPU machine.
+
+    python3 -m common.book.capture_debugging [--tag h100]      # writes results/<tag>/debugging/
+
+What it records, each into a text file the level 5 chapter shows:
+  memcheck.txt     compute-sanitizer memcheck on a planted out-of-bounds kernel (a bounds check dropped): the
+                   losses do not change, the tool names the kernel, the thread and the address;
+  racecheck.txt    compute-sanitizer racecheck on a planted race (a __syncthreads removed from a reduction);
+  async_error.txt  an illegal address planted in a kernel: where the error surfaces without and with
+                   CUDA_LAUNCH_BLOCKING=1;
+  timeline.txt     one training step of level 6 and of level 7 as a timeline of GPU work (torch.profiler):
+                   each kernel's start, length and the gap before it;
+  ncu.txt          Nsight Compute on level 5's naive forward kernel and on cuBLAS's, side by side: sectors per
+                   request (coalescing), memory and compute throughput;
+  ceilings.json    this GPU's measured FP32 matrix-product rate and device-memory bandwidth, the ceilings beside
+                   every GFLOP/s figure of the chapters.
+The bugs are planted in scratch copies of the repository (tests/plant_bugs.py's scratch_copy); nothing here changes
+the working tree. sources.json records the sources each capture quotes (common.book.make.write_capture), so the chapter that
+shows them is stale once one of those changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from common.book.make import write_capture
+from common.levels import ROOT
+
+spec = importlib.util.spec_from_file_location("plant_bugs", ROOT / "tests" / "plant_bugs.py")
+plant_bugs = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(plant_bugs)
+
+# A small run through every kernel, with partial batches: what the sanitizers watch.
+SCRIPT = """
+import numpy as np, level5_cuda_naive
+from common.nets.mlp import init_params
+rng = np.random.default_rng(0)
+X = rng.standard_normal((200, 784)).astype(np.float32)
+y = rng.integers(0, 10, 200)
+model = level5_cuda_naive.MLP(init_params(0, 37))
+print("losses of the first steps:", model.train_epoch(X, y, 13, 0.1)[:4])
+"""
+LEVEL5 = ["level5_cuda_naive/mlp.cu", "common/native/cuda_mlp.cuh"]  # the sources of what SCRIPT runs
+RACE = ("        if (t < half) partial[t] += partial[t + half];\n        __syncthreads();\n",
+        "        if (t < half) partial[t] += partial[t + half];\n")
+FAR_WRITE = ("    out[(size_t)r * n_out + o] = sum;\n", "    out[(size_t)r * n_out + o + ((size_t)1 << 34)] = sum;\n")
+
+
+def planted(file: str, good: str, bad: str) -> Path:
+    """A scratch copy of the repository with one edit, level 5 built; its path."""
+    repo = plant_bugs.scratch_copy()
+    path = repo / file
+    text = path.read_text()
+    assert text.count(good) == 1, f"{file}: the code to plant into changed"
+    path.write_text(text.replace(good, bad))
+    subprocess.run(["make", "-s", "level5", f"PYTHON={sys.executable}"], cwd=repo, check=True, capture_output=True)
+    return repo
+
+
+def run(command: list[str], cwd: Path, env: dict | None = None) -> str:
+    """stdout and stderr of a command, as it printed them."""
+    result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=600)
+    return result.stdout + result.stderr
+
+
+def sanitizer_report(tool: str, repo: Path) -> str:
+    """compute-sanitizer's own lines (the first reports and the summary) for SCRIPT in repo."""
+    out = run(["compute-sanitizer", "--tool", tool, "--print-limit", "3", sys.executable, "-c", SCRIPT], repo)
+    keep = [line for line in out.splitlines() if line.startswith("=========") and "Host Frame" not in line
+            and not re.match(r"=+\s+#\d", line)]
+    losses = [line for line in out.splitlines() if line.startswith("losses")]
+    return "\n".join(keep[:40] + losses) + "\n"
+
+
+def capture_sanitizers(folder: Path) -> None:
+    bug = next(b for b in plant_bugs.BUGS if b[0] == 5 and "bounds check" in b[4])
+    repo = planted(bug[1], bug[2], bug[3])
+    write_capture(folder / "memcheck.txt",
+                  f"planted in {bug[1]}: {bug[2]!r} -> {bug[3]!r} ({bug[4]})\n\n"
+                  f"without the tool:\n{run([sys.executable, '-c', SCRIPT], repo)}\n"
+                  f"compute-sanitizer --tool memcheck:\n{sanitizer_report('memcheck', repo)}", [bug[1], *LEVEL5])
+    shutil.rmtree(repo.parent)
+    repo = planted("common/native/cuda_mlp.cuh", *RACE)
+    write_capture(folder / "racecheck.txt",
+                  "planted in common/native/cuda_mlp.cuh, mean_loss_kernel: the __syncthreads() after each halving removed\n\n"
+                  f"compute-sanitizer --tool racecheck:\n{sanitizer_report('racecheck', repo)}", LEVEL5)
+    shutil.rmtree(repo.parent)
+
+
+def capture_async_error(folder: Path) -> None:
+    repo = planted("level5_cuda_naive/mlp.cu", *FAR_WRITE)
+    lines = ["planted in level5_cuda_naive/mlp.cu, linear_forward_kernel: out[... + 2^34] = sum (16 GiB past the end)"]
+    for env in ({}, {"CUDA_LAUNCH_BLOCKING": "1"}):
+        error = [line for line in run([sys.executable, "-c", SCRIPT], repo, env).splitlines() if "NativeError" in line]
+        lines.append(f"\n{' '.join(f'{k}={v}' for k, v in env.items()) or 'by default'}:\n" + "\n".join(error[-1:]))
+    write_capture(folder / "async_error.txt", "\n".join(lines) + "\n", LEVEL5)
+    shutil.rmtree(repo.parent)
+
+
+def capture_timeline(folder: Path) -> None:
+    """One step of levels 6 and 7 (batch 8, hidden 256) as GPU work on a time line, from torch.profiler."""
+    import numpy as np
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import level6_cublas
+    import level7_fused
+    from common.contract import immutable
+    from common.nets.mlp import init_params
+
+    rng = np.random.default_rng(0)
+    X, y = immutable(rng.standard_normal((64, 784)).astype(np.float32)), immutable(rng.integers(0, 10, 64))
+    lines = []
+    for name, cls in (("level6", level6_cublas.MLP), ("level7", level7_fused.MLP)):
+        model = cls(init_params(0))
+        model.train_epoch(X, y, 8, 0.01)  # warm-up
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            model.train_epoch(X, y, 8, 0.01, np.arange(8, dtype=np.int32))  # one step
+        events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                        key=lambda e: e.time_range.start)
+        t0, end = events[0].time_range.start, events[0].time_range.start
+        lines.append(f"{name}: one step, batch 8, hidden 256 ({len(events)} pieces of GPU work)")
+        lines.append(f"{'start us':>9} {'length us':>10} {'gap before us':>14}  kernel")
+        for e in events:
+            lines.append(f"{e.time_range.start - t0:9.1f} {e.time_range.end - e.time_range.start:10.1f} "
+                         f"{max(0.0, e.time_range.start - end):14.1f}  {e.name[:70]}")
+            end = max(end, e.time_range.end)
+        busy = sum(e.time_range.end - e.time_range.start for e in events)
+        lines.append(f"first start to last end {end - t0:.1f} us, of which the GPU computed {busy:.1f} us\n")
+    nsys = shutil.which("nsys")
+    lines.append(f"Nsight Systems: {'found at ' + nsys if nsys else 'not on this machine (torch.profiler reads the same CUPTI timestamps)'}")
+    write_capture(folder / "timeline.txt", "\n".join(lines) + "\n",
+                  ["level6_cublas/mlp.cu", "level7_fused/mlp.cu", "common/native/cuda_mlp.cuh"])
+
+
+def capture_ncu(folder: Path) -> None:
+    """Nsight Compute's memory and compute figures for the naive forward kernel and for cuBLAS's, on the same product."""
+    metrics = ",".join([
+        "gpu__time_duration.sum",
+        "l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum",
+        "l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum",
+        "sm__throughput.avg.pct_of_peak_sustained_elapsed",
+        "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+        "lts__throughput.avg.pct_of_peak_sustained_elapsed",
+    ])
+    script = ("import numpy as np, level{n}_{pkg}\nfrom common.nets.mlp import init_params\n"
+              "X = np.random.default_rng(0).standard_normal((256, 784)).astype(np.float32)\n"
+              "level{n}_{pkg}.MLP(init_params(0, 1024)).forward(X)\n")
+    out = ["Nsight Compute, the first product of forward() (x (256, 784) @ fc1.weight^T, hidden 1024):"]
+    for n, pkg, kernel in ((5, "cuda_naive", "linear_forward_kernel"), (6, "cublas", "regex:gemm")):
+        report = run(["ncu", "--kernel-name", kernel, "--launch-count", "1", "--metrics", metrics, sys.executable,
+                      "-c", script.format(n=n, pkg=pkg)], ROOT)
+        out.append(f"\n--- level {n}: {kernel} ---")
+        out += [line for line in report.splitlines() if "==PROF==" not in line and line.strip()][-12:]
+    write_capture(folder / "ncu.txt", "\n".join(out) + "\n", [*LEVEL5, "level6_cublas/mlp.cu"])
+
+
+def capture_ceilings(folder: Path) -> None:
+    """The measured ceilings: an 8192^3 FP32 matrix product (TF32 off) and an 8 GiB device-to-device copy."""
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    a, b = (torch.randn(8192, 8192, device="cuda") for _ in range(2))
+    src = torch.empty(2 * 1024**3, dtype=torch.float32, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+
+    def best(fn, repeats: int = 10) -> float:
+        fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2]
+
+    matmul_s = best(lambda: a @ b)
+    copy_s = best(lambda: dst.copy_(src))
+    props = torch.cuda.get_device_properties(0)
+    ceilings = {
+        "gpu": props.name,
+        "fp32_matmul_tflops_measured": 2 * 8192**3 / matmul_s / 1e12,
+        "copy_tb_per_s_measured": 2 * src.numel() * 4 / copy_s / 1e12,  # bytes read + bytes written
+        "multiprocessors": props.multi_processor_count,
+        "how": "median of 10: an 8192^3 float32 torch.matmul with TF32 off; an 8 GiB device-to-device copy",
+    }
+    (folder / "ceilings.json").write_text(json.dumps(ceilings, indent=1) + "\n")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tag", default="h100")
+    args = p.parse_args()
+    folder = ROOT / "results" / args.tag / "debugging"
+    folder.mkdir(parents=True, exist_ok=True)
+    for capture in (capture_ceilings, capture_timeline, capture_ncu, capture_sanitizers, capture_async_error):
+        start = time.perf_counter()
+        capture(folder)
+        print(f"{capture.__name__}: {time.perf_counter() - start:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,463 @@
+"""The classroom labs: the one list of tasks, their marked solutions, and the student edition (LABS.md).
+
+A task is a function a student writes (or two that go together). Its reference solution sits in the level's
+source, inside the function's body, between one pair of comment lines per function: "BEGIN LAB 3.2 linear_backward"
+and "END LAB", each a `#` comment in Python and a `/* */` one in C and CUDA. The repository stays complete.
+`make lab` (python -m common.classroom.lab) writes the student edition: the tracked files less the solutions, every region
+replaced by a stub that builds and fails clearly, and a LAB.md per level.
+`make grade` (common/classroom/grade.py) runs each attempted task's checks: the tests marked task("<id>").
+
+    python -m common.classroom.lab [--out lab] [--files]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.levels import ROOT, level
+
+
+@dataclass(frozen=True)
+class Task:
+    id: str  # "4.2": level 4, task 2, in the order a student takes them
+    name: str  # as in its markers: the function to write, or what the marked code computes
+    path: str | None  # the file holding its marked regions; None for a level's row, which has no code of its own
+    checks: str  # what its grade checks
+    points: int
+    needs: tuple[str, ...] = ()  # tasks whose code its checks run too: it is graded once they pass
+    exercise: bool = False  # a chapter's exercise: its level runs without it
+
+    @property
+    def level(self) -> int:
+        """The level's number."""
+        return int(self.id.split(".")[0])
+
+    @property
+    def gpu(self) -> bool:
+        """Whether its checks need an NVIDIA GPU: those of levels 5-7 but level 6's calls, which NumPy checks."""
+        return "gpu" in level(self.level).needs and self.path != CUBLAS
+
+
+C_LAYERS = "level4_c/mlp.c"
+CUDA_SHARED = "common/native/cuda_mlp.cuh"
+CUDA_NAIVE = "level5_cuda_naive/mlp.cu"
+CUBLAS = "level6_cublas/mlp.cu"
+FUSED = "level7_fused/mlp.cu"
+FLOAT64 = "against float64 at odd sizes and on MNIST rows"
+NUMPY_LENET = "level3_numpy/lenet.py"
+C_LENET = "level4_c/lenet.c"
+CONV64 = "against float64 at odd sizes and on MNIST digits"
+CUDA_LENET = "level5_cuda_naive/lenet.cu"
+
+_WRITTEN = (
+    Task("2.1", "linear layer", "level2_theory/backprop.py", "forward; dx, dW, db by finite differences, autograd", 3),
+    Task("2.2", "ReLU", "level2_theory/backprop.py", "forward; backward by finite differences, autograd", 2),
+    Task("2.3", "softmax cross-entropy", "level2_theory/backprop.py",
+         "softmax, loss; dlogits by finite differences, autograd", 3),
+    Task("2.5", "tanh_backward", "level2_theory/backprop.py", "the chapter's exercise, by finite differences", 2,
+         exercise=True),
+    Task("3.1", "linear_forward", "level3_numpy/mlp.py", f"x w^T + b {FLOAT64}", 2),
+    Task("3.2", "linear_backward", "level3_numpy/mlp.py", f"dx, dw, db {FLOAT64}; square w", 4),
+    Task("3.3", "relu_forward", "level3_numpy/mlp.py", "exactly max(h, 0), zeros included", 1),
+    Task("3.4", "relu_backward", "level3_numpy/mlp.py", "exactly, the mask from h; 0 where h is exactly 0", 2),
+    Task("3.5", "softmax_xent_forward", "level3_numpy/mlp.py", f"loss and softmax {FLOAT64}; logits of 2,000", 3),
+    Task("3.6", "softmax_xent_backward", "level3_numpy/mlp.py", "(p - onehot(y)) / B against float64, B = 1 and 13", 2),
+    Task("3.7", "sgd_update", "level3_numpy/mlp.py", "in place, against float64; an lr 0.2% off fails", 1),
+    Task("3.9", "sgd_momentum_update", "level3_numpy/mlp.py",
+         "the chapter's exercise: 20 steps against torch.optim.SGD(momentum=0.9)", 2, exercise=True),
+    Task("3.10", "conv2d_forward", NUMPY_LENET, f"im2col and one product {CONV64}", 3),
+    Task("3.11", "conv2d_backward", NUMPY_LENET, f"col2im; dx, dw, db {CONV64}; no dx for the first layer", 4,
+         needs=("3.10",)),
+    Task("3.12", "maxpool_forward", NUMPY_LENET, "each window's maximum and its position, the first of equal ones", 2),
+    Task("3.13", "maxpool_backward", NUMPY_LENET, "the gradient to the chosen element alone, ties included", 2),
+    Task("4.1", "linear_forward", C_LAYERS, f"x w^T + b {FLOAT64}", 3),
+    Task("4.2", "linear_backward", C_LAYERS, f"dx, dw, db {FLOAT64}; dx NULL", 5),
+    Task("4.3", "relu_forward", C_LAYERS, "exactly max(h, 0), zeros included", 1),
+    Task("4.4", "relu_backward", C_LAYERS, "exactly, the mask from h; 0 where h is exactly 0", 2),
+    Task("4.5", "softmax_xent_forward", C_LAYERS, f"loss and softmax {FLOAT64}; logits of 2,000", 3),
+    Task("4.6", "softmax_xent_backward", C_LAYERS, "(p - onehot(y)) / B against float64, B = 1 and 13", 2),
+    Task("4.7", "sgd_update", C_LAYERS, "in place, against float64", 1),
+    Task("4.8", "batch buffers", C_LAYERS,
+         "ensure_capacity, free_batch_buffers under ASan + UBSan: sizes, growth, no leak, limit refused", 3),
+    Task("4.9", "the model", C_LAYERS, "mlp_create, mlp_destroy under ASan + UBSan: sizes, zeroed, no leak", 3,
+         needs=("4.8",)),
+    Task("4.11", "conv2d_forward", C_LENET, f"direct loops {CONV64}", 3),
+    Task("4.12", "conv2d_backward", C_LENET, f"direct loops: dx, dw, db {CONV64}; dx NULL", 4),
+    Task("4.13", "maxpool_forward", C_LENET, "each window's maximum and its position, the first of equal ones", 2),
+    Task("4.14", "maxpool_backward", C_LENET, "the gradient to the chosen element alone, ties included", 2),
+    Task("5.1", "linear_forward", CUDA_NAIVE, f"x w^T {FLOAT64}; partial tiles, no write past out", 4),
+    Task("5.2", "linear_backward", CUDA_NAIVE, f"dx, dw {FLOAT64}; partial tiles, no write past them; dx NULL", 5),
+    Task("5.3", "bias_forward", CUDA_SHARED, "out + b, exactly", 1),
+    Task("5.4", "bias_backward", CUDA_SHARED, "sums of dout's columns against float64", 2),
+    Task("5.5", "relu_forward", CUDA_SHARED, "exactly max(h, 0)", 1),
+    Task("5.6", "relu_backward", CUDA_SHARED, "exactly, the mask from h", 1),
+    Task("5.7", "softmax_xent_forward", CUDA_SHARED, f"loss and softmax {FLOAT64}; logits of 2,000", 4),
+    Task("5.8", "softmax_xent_backward", CUDA_SHARED, "(p - onehot(y)) / B against float64", 1),
+    Task("5.9", "sgd_update", CUDA_SHARED, "in place, against float64", 1),
+    Task("5.11", "conv2d_forward", CUDA_LENET, f"a thread per output {CONV64}; no write past out", 3),
+    Task("5.12", "conv2d_forward_tiled", CUDA_LENET,
+         f"shared-memory tiles and their halo {CONV64}; tiles cut by the edge, no write past out", 5),
+    Task("6.1", "out = x @ w^T", CUBLAS, "the call through cuBLAS's column-major rules (common/classroom/sgemm.py)", 3),
+    Task("6.2", "dw = dout^T @ x", CUBLAS, "the call through cuBLAS's column-major rules (common/classroom/sgemm.py)", 3),
+    Task("6.3", "dx = dout @ w", CUBLAS, "the call through cuBLAS's column-major rules (common/classroom/sgemm.py)", 3),
+    Task("7.1", "grid_barrier", FUSED, "1,000 rounds: no block leaves before every block has arrived", 5),
+    Task("7.2", "owned_units", FUSED, "every hidden unit has exactly one owner, the last block fewer", 3),
+)
+
+
+def _needs(*paths: str) -> tuple[str, ...]:
+    """The tasks of these files, but the chapters' exercises (a level runs without them)."""
+    return tuple(t.id for t in _WRITTEN if t.path in paths and not t.exercise)
+
+
+LEVEL_ROW = "the level's tests in tests/test_levels.py: lockstep with level 1, autograd, odd sizes"
+_ROWS = (
+    Task("2.4", "mlp_loss_and_grads", None, "every gradient of the MLP by finite differences and autograd", 2,
+         needs=_needs("level2_theory/backprop.py")),
+    Task("3.8", "the level", None, LEVEL_ROW, 5, needs=_needs("level3_numpy/mlp.py")),
+    Task("4.10", "the level", None, LEVEL_ROW, 5, needs=_needs(C_LAYERS)),
+    Task("5.10", "the level", None, LEVEL_ROW, 5, needs=_needs(CUDA_NAIVE, CUDA_SHARED)),
+    Task("6.4", "the level", None, LEVEL_ROW, 4, needs=_needs(CUBLAS, CUDA_SHARED)),
+    Task("7.3", "the level", None, LEVEL_ROW, 5, needs=_needs(FUSED, CUBLAS, CUDA_SHARED)),
+)
+
+TASKS: tuple[Task, ...] = tuple(sorted(_WRITTEN + _ROWS, key=lambda t: tuple(map(int, t.id.split(".")))))
+
+
+def task(task_id: str) -> Task:
+    """The task with this id."""
+    for t in TASKS:
+        if t.id == task_id:
+            return t
+    raise KeyError(f"no task {task_id}; tasks are {', '.join(t.id for t in TASKS)}")
+
+
+def level_row(number: int) -> Task | None:
+    """The level's row: its main-suite tests, graded once all its tasks pass."""
+    return next((t for t in _ROWS if t.level == number), None)
+
+
+def tasks_named(name: str) -> list[Task]:
+    """The written tasks of this name, one per level that has it."""
+    return [t for t in _WRITTEN if t.name == name]
+
+
+# ---- the marked regions ----
+
+BEGIN = re.compile(r"^(?P<indent>[ \t]*)(?:#|/\*) BEGIN LAB (?P<id>\d+\.\d+) (?P<name>.+?)(?: \*/)?$")
+END = re.compile(r"^[ \t]*(?:#|/\*) END LAB(?: \*/)?$")
+# A comment that mentions a marker but is none (a typo, a nested BEGIN): an error, never silently part of a region.
+# Code that merely holds the words (a pattern, a message) is no marker.
+MARKER_LIKE = re.compile(r"^[ \t]*(?:#|/\*|//).*\b(?:BEGIN|END) LAB\b")
+
+
+@dataclass(frozen=True)
+class Region:
+    task: str  # its task's id
+    name: str  # as in the BEGIN marker
+    function: str  # the function it sits in
+    body: str  # the lines between the markers
+    stub: str  # what the student edition puts there
+
+
+def regions_in(text: str, language: str) -> list[Region]:
+    """The marked regions of a source text ("python", "c" or "cuda")."""
+    lines = text.splitlines(keepends=True)
+    found, begin = [], None
+    for i, line in enumerate(lines):
+        line = line.rstrip("\n")
+        if (match := BEGIN.match(line)) and begin is None:
+            begin = (i, match)
+        elif END.match(line) and begin is not None:
+            start, match = begin
+            function, stub = _stub(lines[:start], match, language)
+            found.append(Region(match["id"], match["name"], function, "".join(lines[start + 1 : i]), stub))
+            begin = None
+        elif MARKER_LIKE.match(line):
+            raise ValueError(f"line {i + 1}: a marker out of place (regions do not nest, and each has its END): {line}")
+    if begin is not None:
+        raise ValueError(f"line {begin[0] + 1}: BEGIN LAB {begin[1]['id']} has no END LAB")
+    return found
+
+
+def language(path: str | Path) -> str | None:
+    """The language of a file's markers, by its suffix; None for a file that cannot hold any."""
+    return {".py": "python", ".ipynb": "python", ".c": "c", ".cu": "cuda", ".cuh": "cuda"}.get(Path(path).suffix)
+
+
+def regions(path: str, root: Path = ROOT) -> list[Region]:
+    """The marked regions of a file (a notebook's: of its code cells, in order)."""
+    return [r for text in _sources(root / path) for r in regions_in(text, language(path))]
+
+
+def _sources(path: Path) -> list[str]:
+    """The texts that can hold regions: the file, or a notebook's code cells."""
+    if path.suffix != ".ipynb":
+        return [path.read_text()]
+    return ["".join(c["source"]) for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
+
+
+def attempted(t: Task, root: Path = ROOT) -> bool:
+    """Whether a student has touched the task: some region of it no longer holds the stub (a row: all its needs)."""
+    if t.path is None:
+        return all(attempted(task(n), root) for n in t.needs)
+    mine = [r for r in regions(t.path, root) if r.task == t.id]
+    if not mine:
+        raise LookupError(f"{t.path} has no BEGIN LAB {t.id} marker: put the markers back around your code")
+    return any(r.body != r.stub for r in mine)
+
+
+# ---- stubs: code that builds and fails clearly ----
+
+
+def message(task_id: str, name: str, function: str) -> str:
+    """What a stub says: 'lab 4.2: linear_backward is not written yet'."""
+    what = function if name == function else f"{function} ({name})"
+    return f"lab {task_id}: {what} is not written yet"
+
+
+def _stub(before: list[str], begin: re.Match, lang: str) -> tuple[str, str]:
+    """(the enclosing function's name, the stub for the region that starts after `before`)."""
+    indent = begin["indent"]
+    if lang == "python":
+        function = next(m[1] for line in reversed(before) if (m := re.match(r"\s*def (\w+)", line)))
+        return function, f'{indent}raise NotImplementedError("{message(begin["id"], begin["name"], function)}")\n'
+    head, function, params = _c_signature(before)
+    text = message(begin["id"], begin["name"], function)
+    used = f"{indent}{', '.join(f'(void){p}' for p in params)};\n" if params else ""
+    if "__global__" in head or "__device__" in head:  # device code cannot report: the host that launches it does
+        returns = "" if re.search(r"\bvoid\b", head) else f"{indent}return {{}};\n"
+        pending = f'#ifndef LAB_TODO_DEVICE\n#define LAB_TODO_DEVICE "{text}"\n#endif\n'
+        return function, pending + used + returns
+    if re.search(r"\bint\b", head):
+        return function, f'{used}{indent}return FAIL(MLP_ERR_ARG, "{text}");\n'
+    returns = "" if re.search(r"\bvoid\b", head) else f"{indent}return 0;\n"
+    return function, f'{used}{indent}LAB_TODO("{text}");\n{returns}'
+
+
+def _c_signature(before: list[str]) -> tuple[str, str, list[str]]:
+    """(return type and qualifiers, name, parameter names) of the C function whose body the region is in.
+
+    A definition starts in column 0 (statements are indented) and ends its signature at the first '{'.
+    """
+    start = next(i for i in range(len(before) - 1, -1, -1) if re.match(r"[A-Za-z_]", before[i]))
+    text = "".join(before[start:])
+    match = re.match(r"(?P<head>[^(]*?)\b(?P<name>\w+)\s*\((?P<params>[^)]*)\)[^{;]*\{", text, re.S)
+    names = [m[1] for p in match["params"].split(",") if (m := re.search(r"(\w+)\s*(?:\[\s*\])?\s*$", p))]
+    return match["head"], match["name"], [n for n in names if n != "void"]
+
+
+def strip(text: str, lang: str) -> str:
+    """The text with every region's body replaced by its stub (the markers stay: they show where to write)."""
+    lines = text.splitlines(keepends=True)
+    out, skipping = [], False
+    for i, line in enumerate(lines):
+        bare = line.rstrip("\n")
+        if END.match(bare):
+            skipping = False
+        if not skipping:
+            out.append(line)
+        if match := BEGIN.match(bare):
+            out.append(_stub(lines[:i], match, lang)[1])
+            skipping = True
+    return "".join(out)
+
+
+def strip_file(path: Path) -> str:
+    """A file's text for the student edition: a notebook's code cells stripped one by one."""
+    lang = language(path)
+    if path.suffix != ".ipynb":
+        return strip(path.read_text(), lang) if lang else path.read_text()
+    notebook = json.loads(path.read_text())
+    for cell in notebook["cells"]:
+        if cell["cell_type"] == "code":
+            cell["source"] = strip("".join(cell["source"]), lang).splitlines(keepends=True)
+    return json.dumps(notebook, indent=1, ensure_ascii=False) + "\n"
+
+
+# ---- the student edition ----
+
+# Not for students: the bugs list and the lab's own tests hold the correct lines, the held-out checks are the teacher's,
+# and the results quote lines of solutions (the chapters say where a result is missing).
+WITHHELD = ("tests/plant_bugs.py", "tests/test_labs.py", "tests/test_holdout.py", "tests/lab_submissions.py", "results/")
+MARKER = "LAB_EDITION"  # at the edition's root: common/__init__.py refuses code imported from anywhere else
+MARKER_TEXT = """This folder is a student edition of the course, made by `make lab`.
+Python code run here must import this folder's modules (common/__init__.py checks it).
+"""
+# What a task's code must not use: the libraries that would do its work, or a way around the checks.
+LIBRARIES = ("torch", "jax", "jaxlib", "tensorflow", "scipy", "sklearn")  # they would do a task's work; the worker
+# (common/classroom/worker.py) cannot import them either
+FORBIDDEN_PY = (*LIBRARIES, "importlib", "__import__", "exec", "eval")
+FORBIDDEN_C = ("cblas", "cublas", "dlopen", "system(", "popen(", "#include")
+EDITION_CI = """#!/usr/bin/env bash
+# CI of the student edition (written by `make lab`): grade every task; the exit status fails on a failing task.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+make grade
+"""
+
+
+class NotACheckout(RuntimeError):
+    """The edition is made of the files git tracks, and there is no git checkout (or no git) to ask."""
+
+
+def shipped(root: Path = ROOT) -> list[str]:
+    """The repository's tracked files that go into the edition: nothing built, downloaded or ignored goes out."""
+    try:
+        run = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True, text=True)
+    except FileNotFoundError:
+        raise NotACheckout("the student edition is made of the files git tracks, and git is not installed") from None
+    if run.returncode:
+        raise NotACheckout(f"the student edition is made of the files git tracks: run this in a git clone of the "
+                           f"repository ({run.stderr.strip()})")
+    return [f for f in run.stdout.split("\0") if f and not f.startswith(WITHHELD)]
+
+
+def write_edition(out: Path, root: Path = ROOT, commit: bool = True) -> None:
+    """The student edition in `out` (replaced if there): files, stubs for the solutions, chapters without outputs (they
+    would show the solutions' code), a LAB.md per level; a git repository of one commit, so that a student can diff
+    and restore."""
+    if out.exists():
+        shutil.rmtree(out)
+    marked = {t.path for t in TASKS if t.path}
+    for name in shipped(root):
+        target = out / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(root / name, target)
+        if name in marked:
+            target.write_text(strip_file(root / name))
+        elif name.endswith(".ipynb"):
+            target.write_text(without_outputs(root / name))
+    (out / ".ci" / "run").write_text(EDITION_CI)
+    (out / MARKER).write_text(MARKER_TEXT)
+    for number in sorted({t.level for t in TASKS}):
+        (out / level(number).package / "LAB.md").write_text(lab_page(number, root))
+    if commit:
+        identity = ["-c", "user.name=lab", "-c", "user.email=lab@localhost", "-c", "commit.gpgsign=false"]
+        for command in (["init", "-q"], ["add", "-A"], [*identity, "commit", "-q", "-m", "The lab: the student edition"]):
+            subprocess.run(["git", *command], cwd=out, check=True, capture_output=True)
+
+
+def make(targets: list[str] | tuple[str, ...], root: Path = ROOT) -> str | None:
+    """`make -s targets` in root with this interpreter; None when it builds, else the first error."""
+    run = subprocess.run(["make", "-s", *targets, f"PYTHON={sys.executable}"], cwd=root, capture_output=True, text=True)
+    if run.returncode == 0:
+        return None
+    lines = (run.stderr + run.stdout).splitlines()
+    return next((line.strip() for line in lines if "error" in line), lines[-1] if lines else "make failed")
+
+
+def files_to_write() -> list[str]:
+    """The files a student writes in, each once, in the tasks' order."""
+    return list(dict.fromkeys(t.path for t in TASKS if t.path))
+
+
+def without_outputs(path: Path) -> str:
+    """A chapter with its outputs and its record of them taken out, as a student's first run will make them."""
+    notebook = json.loads(path.read_text())
+    notebook["metadata"].pop("made_from", None)
+    for cell in notebook["cells"]:
+        if cell["cell_type"] == "code":
+            cell["outputs"], cell["execution_count"] = [], None
+    return json.dumps(notebook, indent=1, ensure_ascii=False) + "\n"
+
+
+def forbidden_use(t: Task, root: Path = ROOT) -> str | None:
+    """Why a task's code is not allowed (a library that would do its work, a way around the checks), or None."""
+    if t.path is None:
+        return None
+    bodies = "".join(r.body for r in regions(t.path, root) if r.task == t.id)
+    if t.path.endswith(".py"):
+        import ast
+
+        names = set()
+        for node in ast.walk(ast.parse((root / t.path).read_text())):
+            if isinstance(node, ast.Import):
+                names |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names.add(node.module.split(".")[0])
+        names |= {w for w in FORBIDDEN_PY if re.search(rf"\b{w}\b", bodies)}
+        used = sorted(names & set(FORBIDDEN_PY))
+        if used:
+            return (f"{t.path} uses {', '.join(used)}: a lab task computes by hand, with NumPy (torch, SciPy and the "
+                    "like would do the task's work)")
+        return None
+    allowed = ("cublas",) if t.path == CUBLAS else ()  # level 6's tasks are calls to cuBLAS
+    used = [w for w in FORBIDDEN_C if w not in allowed and w in bodies.replace("CUBLAS_CHECK", "")]
+    if used:
+        return f"task {t.id}'s code uses {', '.join(used)}: a lab task computes with its own loops and kernels"
+    return None
+
+
+def lab_page(number: int, root: Path = ROOT) -> str:
+    """A level's LAB.md: what to write, in which order, how to check it."""
+    lv = level(number)
+    mine = [t for t in TASKS if t.level == number]
+    rows = "\n".join(f"| {t.id} | {_what(t, root)} | {t.checks} | {t.points} |" for t in mine)
+    on_gpu = [t.id for t in mine if t.gpu]
+    gpu = (f"\nThe checks of {', '.join(on_gpu)} run on an NVIDIA GPU; where there is none, `make grade` reports them "
+           "as \"needs GPU\" (not graded, not failed). Without a GPU of your own, grade_on_gpu.ipynb runs them on a "
+           "hosted GPU.\n" if on_gpu else "")
+    return f"""# Lab {number}: {lv.title}
+
+Write each function below between its `BEGIN LAB` and `END LAB` markers, in place of the stub that fails with
+"lab {number}.N: ... is not written yet" (leave the markers where they are: the grader finds your code by them).
+The comment or docstring above each function says what it computes, with the shapes; the chapter,
+`{lv.package}/chapter.ipynb`, explains the level. Take the tasks in this order, and check each one as you go:
+
+    make grade TASK={mine[0].id}           # one task; add ARGS=-v to see each check that fails, and why
+    make grade LEVEL={number}             # the whole level: the table, and grade.json
+{gpu}
+The first `make grade` sets up `.venv` in this folder (PyTorch, NumPy, cffi, pytest, Jupyter from the package index:
+about 2 GB and a few minutes, once). Open the chapters with `make notebooks`, which uses the same environment: a
+chapter runs your code. If you change a file and want it back, `git checkout <file>` (the edition is a git
+repository) restores the version you were given.
+
+| task | write | checked | points |
+|---|---|---|---|
+{rows}
+
+A task without code of its own ("the level") runs the level's part of the main test suite once all its tasks pass:
+your functions together, in lockstep with level 1, the gold standard.
+"""
+
+
+def _what(t: Task, root: Path) -> str:
+    """A task's "write" column: the function(s) and the file, or what its row runs."""
+    if t.path is None:
+        return f"(your functions together: {t.name})"
+    functions = ", ".join(dict.fromkeys(f"`{r.function}`" for r in regions(t.path, root) if r.task == t.id))
+    return f"{functions} in `{t.path}`"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="lab", help="where to write the student edition (replaced if there)")
+    p.add_argument("--files", action="store_true",
+                   help="only list the files a student writes in (to copy from a submission into a fresh edition)")
+    args = p.parse_args(argv)
+    if args.files:
+        print("\n".join(files_to_write()))
+        return 0
+    out = Path(args.out).resolve()
+    if out == ROOT or ROOT.is_relative_to(out):
+        raise SystemExit(f"refusing to replace {out}: it holds the repository")
+    try:
+        write_edition(out)
+    except NotACheckout as e:
+        raise SystemExit(f"make lab: {e}") from None
+    stubs = sum(t.path is not None for t in TASKS)
+    print(f"student edition written to {out}: {stubs} stubs to write, {len(TASKS)} graded tasks (with the checks of "
+          "what they add up to), a LAB.md per level (LABS.md says how to hand it out)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,203 @@
+"""make bench: every level's speed at the chapter's settings and at larger ones, each level verified before it is timed.
+
+    python -m common.harness.bench [--tag h100] [--presets chapter,large-b64,large-b256,lenet,lenet-b64,lenet-b256]
+    python -m common.harness.bench --report          # only rewrite README.md's results block from results/*/
+
+Each preset is one run of the compare harness (common.harness.compare), so every level is checked against
+level 1 step by step before its time counts, and every row is timed ROUNDS times, in rounds over the rows (a row whose
+rounds disagree is flagged, not published); results go to results/<tag>/<preset>/. On a GPU it
+also profiles one epoch of every GPU implementation to split a step into kernel time and the rest
+(launch overhead and gaps between kernels), written to results/<tag>/profile.json.
+The README's numbers are tables this script writes from those files, never typed by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from collections import Counter
+
+import numpy as np
+
+from common.contract import immutable
+from common.harness import compare
+from common.harness.data import load_mnist, normalize
+from common.levels import LEVELS, ROOT, gpu_available, missing
+from common.nets import get
+from common.nets.mlp import init_params
+
+PRESETS = {
+    "chapter": [],
+    "large-b64": ["--train-size", "60000", "--hidden", "1024", "--batch", "64", "--epochs", "2"],
+    "large-b256": ["--train-size", "60000", "--hidden", "1024", "--batch", "256", "--epochs", "3"],
+    "lenet": ["--model", "lenet"],  # LeNet-5's chapter run (common/nets)
+    # LeNet-5 at larger batches, where the libraries' kernels have work: the GPU levels against the peers
+    "lenet-b64": ["--model", "lenet", "--levels", "1,5,6,7", "--train-size", "5120", "--batch", "64",
+                  "--epochs", "3"],
+    "lenet-b256": ["--model", "lenet", "--levels", "1,5,6,7", "--train-size", "5120", "--batch", "256",
+                   "--epochs", "3"],
+}
+ROUNDS = 3  # each row timed three times: its median, its range, and a flag where they disagree
+GPU_ONLY = {"lenet-b64", "lenet-b256"}  # presets of GPU levels alone: left out where no GPU is
+README = ROOT / "README.md"
+BEGIN, END = "<!-- results:begin (written by python -m common.harness.bench --report) -->", "<!-- results:end -->"
+
+
+# (batch, hidden) of the profiled steps: the chapter's, and the large setting's.
+PROFILE_SHAPES = ((8, 256), (256, 1024))
+
+
+def profile_gpu(steps: int = 400) -> list[dict]:
+    """Per step of each GPU implementation: wall time, time in GPU work (CUPTI via torch.profiler), the busiest kernels.
+
+    Every wall time is taken before the first profile: once the profiler has run, PyTorch leaves NVIDIA's profiling
+    library (CUPTI) attached, and every later launch of the process is slower."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    data = load_mnist(quiet=True)
+    shapes = []
+    for batch, hidden in PROFILE_SHAPES:
+        n = steps * batch  # the data set repeated as needed: only the timing matters here
+        X = normalize(np.resize(data.train_images, (n, data.train_images.shape[1])))
+        y = immutable(np.resize(data.train_labels, n))  # immutable, as in the harness: uploaded once, not every epoch
+        gpu_runs = [compare.Run(f"{lv.name}[cuda]", lv.number, "cuda", compare.factory(lv, "cuda"))
+                    for lv, device in compare.runs_for([lv.number for lv in LEVELS], gpu=True)
+                    if device == "cuda" and not missing(lv, "cuda")]
+        for run in gpu_runs[:1] + compare.peer_runs("mlp") + gpu_runs[1:]:
+            model = run.factory(init_params(0, hidden))
+            model.train_epoch(X, y, batch, 0.01)  # warm-up and the one upload of the data set
+            start = time.perf_counter()
+            model.train_epoch(X, y, batch, 0.01)
+            shapes.append((run, model, X, y, batch, hidden, (time.perf_counter() - start) / steps))
+    rows = []
+    for run, model, X, y, batch, hidden, wall in shapes:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            model.train_epoch(X, y, batch, 0.01)
+        on_gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]  # kernels, copies
+        busy = Counter()
+        for event in on_gpu:
+            busy[event.name] += event.device_time / steps  # microseconds per step
+        gpu_us = sum(busy.values())
+        rows.append(
+            {
+                "level": run.label,
+                "batch": batch,
+                "hidden": hidden,
+                "wall_us_per_step": wall * 1e6,
+                "kernel_us_per_step": gpu_us,
+                "launches_per_step": len(on_gpu) / steps,
+                "other_us_per_step": wall * 1e6 - gpu_us,
+                "top_kernels": [[name, us] for name, us in busy.most_common(3)],
+            }
+        )
+        r = rows[-1]
+        print(
+            f"{r['level']:<14} batch {batch:>3}, hidden {hidden:>4}: {r['wall_us_per_step']:7.1f} us/step = "
+            f"{gpu_us:7.1f} us of GPU work in {r['launches_per_step']:.2g} launches + {r['other_us_per_step']:7.1f} us "
+            f"launch overhead and gaps; busiest: "
+            + ", ".join(f"{name[:40]} {us:.1f} us" for name, us in r["top_kernels"])
+        )
+    return rows
+
+
+def markdown_table(results: dict) -> str:
+    """One preset's table, as the README shows it: its settings, machine and timing rule, then compare's table."""
+    s = results["settings"]
+    m = results["machine"]
+    where = f"{m.get('cpu', '?')}, {m.get('cpu_count', '?')} cores"
+    if "gpu" in m:
+        where = f"{m['gpu']} (driver {m['driver']}, CUDA {m['cuda_runtime']}); CPU levels on the host: {where}"
+    network = f"hidden {s['hidden']}" if "hidden" in s else get(s["model"]).title
+    lines = [
+        f"**{s['train_size']:,} images x {s['epochs']} epochs, batch {s['batch']}, {network}** - {where}; "
+        f"data: {results['data'].rsplit(', ', 1)[0]}. {compare.timing_rule(s.get('rounds', 1))}",
+        "",
+        compare.table(results["table"], markdown=True),
+    ]
+    lines += [f"| {name}[cuda] | not run: {why} |" for name, why in results.get("peers_not_run", {}).items()]
+    peers = [row for row in results["table"] if "written as" in row.get("ran", {})]
+    if peers:
+        lines += ["", "The peers, as written: " + "; ".join(f"{row['level']}: {row['ran']['written as']}"
+                                                          for row in peers) + "."]
+    return "\n".join(lines)
+
+
+def kernel_name(signature: str) -> str:
+    """A kernel's name without return type, namespaces' noise, template and call arguments."""
+    name = signature.removeprefix("void ").replace("(anonymous namespace)::", "").replace("at::native::", "")
+    return re.split(r"[(<]", name)[0][:40]
+
+
+def profile_markdown(rows: list[dict]) -> str:
+    """The profile as a markdown table."""
+    lines = [
+        "| implementation | batch | hidden | us/step | GPU busy (us/step) | launches/step | launch overhead and gaps (us/step) "
+        "| busiest kernels (us/step) |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        busiest = ", ".join(f"`{kernel_name(name)}` {us:.1f}" for name, us in r["top_kernels"])
+        lines.append(
+            f"| {r['level']} | {r['batch']} | {r['hidden']} | {r['wall_us_per_step']:.1f} | {r['kernel_us_per_step']:.1f} | "
+            f"{r['launches_per_step']:.2g} | {r['other_us_per_step']:.1f} | {busiest} |"
+        )
+    lines.append("\nEach row is one epoch under torch.profiler, in a run of its own: read it for how a step's time splits "
+                 "(inside kernels and copies, and the rest), not for speed, which the tables time as the median of "
+                 "repeated epochs without the profiler; the two us/step differ.")
+    return "\n".join(lines)
+
+
+def report() -> None:
+    """Rewrite README.md's results block from every results/<tag>/<preset>/results.json."""
+    blocks = []
+    tags = (ROOT / "results").iterdir() if (ROOT / "results").is_dir() else ()
+    for tag_dir in sorted(p for p in tags if p.is_dir() and p.name != "local"):
+        for preset in PRESETS:
+            path = tag_dir / preset / "results.json"
+            if path.exists():
+                blocks.append(f"`results/{tag_dir.name}/{preset}/`\n\n" + markdown_table(json.loads(path.read_text())))
+        profile_path = tag_dir / "profile.json"
+        if profile_path.exists():
+            title = f"`results/{tag_dir.name}/profile.json` - where a GPU step's time goes (one epoch under torch.profiler)"
+            blocks.append(title + "\n\n" + profile_markdown(json.loads(profile_path.read_text())))
+    text = README.read_text()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"README.md has no results block ({BEGIN} ... {END})")
+    head, rest = text.split(BEGIN, 1)
+    README.write_text(head + BEGIN + "\n\n" + "\n\n".join(blocks) + "\n\n" + END + rest.split(END, 1)[1])
+    print(f"README.md: results block rewritten from {len(blocks)} tables")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tag", default="h100" if gpu_available() else "cpu", help="results/<tag>/ (default: h100 or cpu)")
+    p.add_argument("--presets", default=None, help=f"comma-separated, from {list(PRESETS)} (default: all this "
+                   "machine can run)")
+    p.add_argument("--levels", default=None, help="comma-separated level numbers (default: all this machine can run)")
+    p.add_argument("--rounds", type=int, default=ROUNDS,
+                   help="how many times each row is timed (common.harness.compare --rounds)")
+    p.add_argument("--report", action="store_true", help="only rewrite README.md's results block")
+    args = p.parse_args(argv)
+    if args.report:
+        report()
+        return 0
+    status = 0
+    presets = args.presets.split(",") if args.presets else [p for p in PRESETS if gpu_available() or p not in GPU_ONLY]
+    for preset in presets:
+        print(f"\n=== {preset} ===")
+        extra = ["--levels", args.levels] if args.levels else []
+        out = ROOT / "results" / args.tag / preset
+        status |= compare.main(PRESETS[preset] + extra + ["--rounds", str(args.rounds), "--out", str(out),
+                                                          "--quiet"])
+    if gpu_available():
+        print("\n=== where a GPU step's time goes ===")
+        (ROOT / "results" / args.tag / "profile.json").write_text(json.dumps(profile_gpu(), indent=1))
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

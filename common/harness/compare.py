@@ -1,0 +1,538 @@
+"""The main job: train every level this machine can run on the same data, from the same weights, and verify each.
+
+    python -m common.harness.compare [--model lenet] [--levels 1,3,4] [--epochs 10] [--train-size 10000] [--batch 8] ...
+    make compare ARGS="--levels 1,3,4"          make compare ARGS="--model lenet"
+
+The network is one of common/nets' list (the MLP by default). Every level that implements it gets the same initial
+weights (its module's init_params) and visits the same batches in the
+same order. Each level's uninterrupted run is timed; then each is verified against level 1 on the CPU,
+the gold standard, by the two checks of common/harness/verify.py: lockstep at every step of the run, and its
+free run against float32 noise measured by level 1's float64 twin. Writes results.json and two plots
+(loss_curves.png, lockstep.png) to the output folder, prints one table, and exits non-zero when a level
+fails a check or diverges (on a GPU the peers of level1_pytorch/peers.py are checked too; their verdicts are reported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from common.contract import immutable
+from common.harness import verify
+from common.harness.data import load_mnist, normalize
+from common.levels import LEVELS, ROOT, THE_MLP, Level, gpu_available, level, missing
+from common.nets import NETWORKS, Network, get
+from common.nets.mlp import HIDDEN
+from level1_pytorch.peers import NAMES as PEERS  # on a GPU, the yardsticks of speed
+
+REFERENCE = "level1[cpu]"
+WARM_UP = "one untimed epoch first (then the initial weights back), then each epoch timed"  # train() does it
+# A row's rounds (--rounds: the whole timed run again, on a fresh model, each round over every row) must agree: its
+# slowest round at most this many times its fastest (each round's median epoch). A row past it is flagged
+# "unsteady" and its time and ratios are not published: one disturbed run must not set a number.
+STEADY_RATIO = 1.2
+
+
+@dataclass
+class Run:
+    """One implementation on one device: its free run (losses, times, test predictions) and its verdicts."""
+
+    label: str
+    level: int
+    device: str
+    factory: Callable  # params -> a fresh model of this implementation
+    asked: dict = field(default_factory=dict)  # what the run asked for: its device and options (a convolution)
+    ran: dict = field(default_factory=dict)  # what the trained model says it computed with (its variant())
+    losses: list[float] = field(default_factory=list)
+    epoch_seconds: list[float] = field(default_factory=list)  # of the first round, the run that is verified
+    rounds: list[float] = field(default_factory=list)  # each round's median epoch, in seconds
+    test_accuracy: float = 0.0
+    predictions: np.ndarray | None = None
+    lockstep: dict | None = None  # verify.LockstepRecord.summary()
+    free_run: dict | None = None  # verify.FreeRun
+    failure: str | None = None  # why the level failed, or None
+
+
+def runs_for(numbers: list[int], gpu: bool) -> list[tuple[Level, str]]:
+    """(level, device) pairs to train: level 1 on the CPU first (the reference), then on CUDA if there is a GPU."""
+    pairs = []
+    for number in numbers:
+        lv = level(number)
+        if not lv.trains:
+            continue
+        if number == 1:
+            pairs.append((lv, "cpu"))
+            if gpu:
+                pairs.append((lv, "cuda"))
+        else:
+            pairs.append((lv, "cuda" if "gpu" in lv.needs else "cpu"))
+    return pairs
+
+
+def factory(lv: Level, device: str, network: Network = THE_MLP, **options) -> Callable:
+    """params -> a fresh model of the level for a network, given every option (a convolution); level 1 also takes
+    its device (the others have one)."""
+    cls = lv.load(network)
+    if lv.number == 1:
+        return lambda params: cls(params, device=device, **options)
+    return lambda params: cls(params, **options)
+
+
+def mismatch(asked: dict, ran: dict) -> str | None:
+    """Why a model did not run what was asked of it (a device or an option it reports otherwise), or None."""
+    wrong = [f"{key} {value!r} asked for, {ran.get(key)!r} ran" for key, value in asked.items()
+             if ran.get(key) != value]
+    return "; ".join(wrong) or None
+
+
+def peer_runs(network: Network) -> list[Run]:
+    """The peers of a network on the GPU that this machine has (level1_pytorch/peers.py), for the speed columns;
+    verified like the levels."""
+    from level1_pytorch.peers import peers
+
+    return [Run(f"{name}[cuda]", 1, "cuda", cls, {"device": "cuda"}) for name, cls in peers(network).items()]
+
+
+def missing_peers(network: Network) -> dict[str, str]:
+    """The network's peers this machine lacks, and why."""
+    from level1_pytorch.peers import missing
+
+    return {name: why for name in network.peers if (why := missing(name))}
+
+
+def epoch_order(n: int, epoch: int, seed: int, shuffle: bool) -> np.ndarray:
+    """The visiting order of one epoch: in order, or a seeded permutation - the same for every level."""
+    if not shuffle:
+        return np.arange(n, dtype=np.int32)
+    return np.random.default_rng([seed, epoch]).permutation(n).astype(np.int32)
+
+
+def train(model, run: Run, params, X, y, X_test, y_test, orders, args, quiet: bool) -> Run:
+    """The free run: args.epochs epochs, each timed on its own; stops after an epoch whose loss is not finite.
+
+    First one untimed epoch, then the initial parameters back: the CUDA context, library handles, the upload,
+    graph captures and compilation (torch.compile's, XLA's) are done before the clock starts, so every timed epoch is
+    a warm one. The first call for a run keeps its losses and predictions (the run that is verified); a later call,
+    a later round, adds its time only."""
+    first = not run.rounds
+    model.train_epoch(X, y, args.batch, args.lr, orders[0])
+    model.load_state_dict(params)
+    run.ran = model.variant()
+    if why := mismatch(run.asked, run.ran):  # never time one thing under another's name
+        run.failure = f"ran something else than its row says: {why}"
+    seconds = []
+    for order in tqdm(orders, desc=run.label, disable=quiet, leave=False):
+        start = time.perf_counter()
+        losses = model.train_epoch(X, y, args.batch, args.lr, order)  # returns host memory: the GPU is done
+        seconds.append(time.perf_counter() - start)
+        if first:
+            run.losses.extend(losses.tolist())
+        if not np.isfinite(losses).all():
+            break
+    run.rounds.append(float(np.median(seconds)))
+    if first:
+        run.epoch_seconds = seconds
+        run.predictions = model.forward(X_test).argmax(axis=1)
+        run.test_accuracy = float((run.predictions == y_test).mean())
+    return run
+
+
+def verify_runs(runs: list[Run], twin: Run, params, X, y, y_test, orders, args, quiet: bool) -> None:
+    """Set each run's verdict: diverged, or lockstep and free run against level 1 (runs[0])."""
+    reference = runs[0]
+    for run in runs:
+        if (why := verify.divergence(run.losses, args.lr, X)) is not None:
+            run.failure = run.failure or why
+    if reference.failure:
+        for run in runs[1:]:
+            run.failure = run.failure or f"not verified: the reference {reference.label} {reference.failure}"
+        return
+    noise = verify.free_run_noise(reference.losses, twin.losses, reference.predictions, twin.predictions, args.epochs)
+    checked = [run for run in runs[1:] if not run.failure]
+    models = {run.label: run.factory(params) for run in checked}
+    records, reference_diverged = verify.lockstep(models, params, X, y, orders, args.batch, args.lr, quiet,
+                                                  args.network)
+    for run in checked:
+        record = records[run.label]
+        run.lockstep = {**record.summary(), "record": record}
+        free = verify.check_free_run(run.losses, reference.losses, run.test_accuracy, reference.test_accuracy,
+                                     len(y_test), noise, args.epochs)
+        run.free_run = {**asdict(free), "used": free.used, "noise": noise}
+        if reference_diverged:
+            run.failure = f"not verified: {reference_diverged}"
+        elif record.failure:
+            run.failure = f"lockstep: {record.failure}"
+        elif free.failure:
+            run.failure = f"free run: {free.failure}"
+
+
+def machine() -> dict[str, str]:
+    """What the numbers were measured on."""
+    info = {"python": platform.python_version(), "platform": platform.platform(), "cpu": platform.processor()}
+    try:
+        info["cpu"] = next(
+            line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")
+        )
+    except (OSError, StopIteration):
+        pass
+    info["cpu_count"] = str(os.cpu_count())
+    import torch
+
+    info["numpy"], info["torch"] = np.__version__, torch.__version__
+    if gpu_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        info["cuda_runtime"] = str(torch.version.cuda)
+        smi = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True
+        )
+        info["driver"] = smi.stdout.strip()
+    return info
+
+
+def steady(run: Run) -> bool:
+    """Whether a run's rounds agree (STEADY_RATIO)."""
+    return max(run.rounds) <= STEADY_RATIO * min(run.rounds)
+
+
+def summarize(runs: list[Run], args, steps_per_epoch: int) -> list[dict]:
+    """One table row per run. A run's time is the median of its rounds, each the median of its epochs (one disturbed
+    epoch cannot move it; one disturbed round cannot either, and makes its row unsteady). Speedups are against level 1
+    on the CPU and, on a GPU, against each peer, all measured in this same run, between steady rows only."""
+    def median_epoch(run: Run) -> float | None:
+        return float(np.median(run.rounds)) if steady(run) else None
+
+    def ratio(theirs: float | None, ours: float | None) -> float | None:
+        return theirs / ours if theirs and ours else None
+
+    reference = median_epoch(runs[0])
+    peer = {name: next((median_epoch(r) for r in runs if r.label == f"{name}[cuda]"), None) for name in PEERS}
+    rows = []
+    for run in runs:
+        epoch = median_epoch(run)
+        rows.append({
+            "level": run.label,
+            "device": run.device,
+            "ran": run.ran,
+            "train_s": float(sum(run.epoch_seconds)),
+            "rounds": len(run.rounds),
+            "steady": steady(run),
+            "epoch_s_median": epoch,
+            "epoch_s_rounds": run.rounds,
+            "epoch_s_spread": [float(min(run.epoch_seconds)), float(max(run.epoch_seconds))],
+            "us_per_step": 1e6 * epoch / steps_per_epoch if epoch else None,
+            "us_per_step_range": [1e6 * min(run.rounds) / steps_per_epoch, 1e6 * max(run.rounds) / steps_per_epoch],
+            "steps_per_s": steps_per_epoch / epoch if epoch else None,
+            "speedup_vs_level1": ratio(reference, epoch),
+            **{f"speedup_vs_{short}": ratio(peer[name], epoch) for name, short in PEERS.items()},
+            "gflops": (args.network.network.flops_per_step(args.batch, args.hidden) * steps_per_epoch / epoch / 1e9
+                       if epoch else None),
+            "final_loss": float(np.mean(run.losses[-steps_per_epoch:])),
+            "test_accuracy": run.test_accuracy,
+            "lockstep_used": run.lockstep["max_used"] if run.lockstep else None,
+            "ties": len(run.lockstep["ties"]) if run.lockstep else None,
+            "free_run_used": run.free_run["used"] if run.free_run else None,
+            "agrees": run.failure is None,
+            "failure": run.failure,
+        })
+    return rows
+
+
+def _times(r: dict) -> str:
+    """us/step: the median of the rounds, with their range when there are several; withheld when they disagree."""
+    low, high = r["us_per_step_range"]
+    if not r["steady"]:
+        return f"unsteady {low:.1f}-{high:.1f}"
+    return f"{r['us_per_step']:.1f}" + (f" ({low:.1f}-{high:.1f})" if r["rounds"] > 1 else "")
+
+
+def _verdict(r: dict) -> str:
+    return "ok" if r["agrees"] else ("DIVERGED" if "diverged" in (r["failure"] or "") else "FAIL")
+
+
+def _number(value, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def table(rows: list[dict], markdown: bool = False) -> str:
+    """The results table, as text (a terminal, a chapter) or Markdown (README, results/README.md): speed against
+    level 1 and each peer of this run, and the two checks against level 1. lockstep and free run: the largest share of
+    its tolerance a level used (1.00 = at the limit; above: FAIL). Every table of the course is written here."""
+    peers = [short for short in PEERS.values() if any(r.get(f"speedup_vs_{short}") for r in rows)]
+    columns = [  # (heading, text width, the cell of a row)
+        ("implementation", -19, lambda r: r["level"]),
+        ("train s", 9, lambda r: f"{r['train_s']:.2f}"),
+        ("us/step" + (" (range)" if any(r["rounds"] > 1 for r in rows) else ""), 24, _times),
+        ("steps/s", 9, lambda r: _number(r["steps_per_s"], ".0f")),
+        ("vs L1 cpu", 10, lambda r: _number(r["speedup_vs_level1"], ".2f", "x")),
+        *((f"vs {short}", 10, lambda r, short=short: _number(r.get(f"speedup_vs_{short}"), ".2f", "x"))
+          for short in peers),
+        ("GFLOP/s", 9, lambda r: _number(r["gflops"], ".2f")),
+        ("loss", 8, lambda r: f"{r['final_loss']:.4f}"),
+        ("test acc", 9, lambda r: f"{r['test_accuracy']:.4f}"),
+        ("lockstep", 9, lambda r: _number(r["lockstep_used"], ".2f")),
+        ("ties", 5, lambda r: _number(r["ties"], "d")),
+        ("free run", 9, lambda r: _number(r["free_run_used"], ".2f")),
+        ("check", -9, _verdict),
+    ]
+    cells = [[cell(r) for _, _, cell in columns] for r in rows]
+    if markdown:
+        lines = ["| " + " | ".join(head for head, _, _ in columns) + " |",
+                 "|" + "".join("---|" if width < 0 else "---:|" for _, width, _ in columns)]
+        return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in cells])
+    widths = [max(abs(width), len(head), *(len(row[i]) for row in cells)) for i, (head, width, _) in
+              enumerate(columns)]
+    align = [(str.ljust if width < 0 else str.rjust) for _, width, _ in columns]
+    head = "  ".join(a(h, w) for (h, _, _), a, w in zip(columns, align, widths)).rstrip()
+    return "\n".join([head, "-" * len(head)] + ["  ".join(a(c, w) for c, a, w in zip(row, align, widths)).rstrip()
+                                                 for row in cells])
+
+
+def print_table(rows: list[dict]) -> None:
+    """The table a student reads, as text."""
+    print(table(rows))
+
+
+def plot(runs: list[Run], twin: Run, out: Path, title: str, epochs: int) -> None:
+    """loss_curves.png (the free runs, and their per-epoch means against the band) and lockstep.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    window = 50
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 8))
+    for i, run in enumerate(runs):
+        losses = np.asarray(run.losses)
+        smooth = np.convolve(losses, np.ones(window) / window, mode="valid") if len(losses) > window else losses
+        top.plot(smooth, label=run.label, lw=2.5 - 0.3 * i, alpha=0.8)
+    top.set(xlabel="step", ylabel=f"loss (mean of {window} steps)", title=f"Free runs - {title}", yscale="log")
+    top.legend()
+    reference = verify.epoch_means(runs[0].losses, epochs)
+    x = np.arange(epochs)
+    band = next((np.asarray(r.free_run["band"]) for r in runs[1:] if r.free_run and r.free_run["band"]), None)
+    if band is not None:
+        bottom.fill_between(x, -band, band, color="red", alpha=0.12, label="allowed (band)")
+    bottom.plot(x, verify.epoch_means(twin.losses, epochs) - reference, "k--", lw=1, label="float64 twin (the noise)")
+    for run in runs[1:]:
+        if len(run.losses) == len(runs[0].losses):
+            bottom.plot(x, verify.epoch_means(run.losses, epochs) - reference, "o-", ms=4, lw=1, label=run.label)
+    bottom.axhline(0, color="gray", lw=0.5)
+    bottom.set(xlabel="epoch", ylabel=f"mean loss - {runs[0].label}'s", title="Per-epoch mean loss against level 1")
+    bottom.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "loss_curves.png", dpi=120)
+    plt.close(fig)
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 8), sharex=True)
+    for run in runs[1:]:
+        record = run.lockstep and run.lockstep["record"]
+        if not record or not record.used:
+            continue
+        steps = np.arange(len(record.used))
+        line = top.plot(steps, np.maximum(np.max(record.update_err, axis=1), 1e-9), lw=0.4, alpha=0.7, label=run.label)
+        bottom.plot(steps, record.used, lw=0.4, alpha=0.7, color=line[0].get_color(), label=run.label)
+        tie_steps = sorted({t.step for t in record.ties})
+        if tie_steps:
+            top.plot(tie_steps, np.max(np.asarray(record.update_err)[tie_steps], axis=1), "x",
+                     color=line[0].get_color(), ms=7, label=f"{run.label}: ties")
+    top.set(ylabel="||update - level 1's|| / ||level 1's||\n(largest tensor)", yscale="log",
+            title=f"Lockstep: every step from level 1's parameters - {title}")
+    if top.lines:
+        top.legend(fontsize=8)
+    bottom.axhline(1, color="red", ls="--", label="the tolerance")
+    bottom.set(xlabel="step", ylabel="share of the tolerance used\n(loss or any tensor)", yscale="log")
+    bottom.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "lockstep.png", dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="mlp", choices=[n.name for n in NETWORKS], help="the network (common/nets)")
+    p.add_argument("--levels", default=None, help="comma-separated level numbers (default: every level of the model)")
+    p.add_argument("--epochs", type=int, help="default: the model's chapter run (common/nets)")
+    p.add_argument("--train-size", type=int, help="the first N training images (default: the chapter run's)")
+    p.add_argument("--batch", type=int, help="default: the chapter run's")
+    p.add_argument("--hidden", type=int, default=HIDDEN, help="the MLP's hidden units (LeNet-5 has fixed sizes)")
+    p.add_argument("--lr", type=float, help="default: the chapter run's")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shuffle", action="store_true", help="a seeded permutation per epoch, the same for every level")
+    p.add_argument(
+        "--repeat", action="store_true", help="if the data set is smaller than --train-size, repeat it (for timing)"
+    )
+    p.add_argument("--out", type=Path, default=ROOT / "results" / "local", help="folder for results.json and plots")
+    p.add_argument("--quiet", action="store_true", help="no progress bars (also when not on a terminal or in CI)")
+    p.add_argument("--no-peers", action="store_true", help="on a GPU, leave out the peers (level1_pytorch/peers.py)")
+    p.add_argument("--rounds", type=int, default=1, help="time every row this many times, in rounds over the rows "
+                   f"(make bench: 3); a row whose rounds differ by more than {STEADY_RATIO}x is flagged, not published")
+    args = p.parse_args(argv)
+    network = args.network = get(args.model)  # the network, resolved once: everything after is handed this entry
+    for name, value in network.run.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.levels is None:
+        args.levels = ",".join(str(lv.number) for lv in LEVELS if lv.trains and lv.number in network.levels)
+    try:
+        args.levels = [int(n) for n in args.levels.split(",")]
+    except ValueError:
+        p.error(f"--levels takes comma-separated level numbers, e.g. 1,3,4; got {args.levels!r}")
+    if unknown := [n for n in args.levels if n not in [lv.number for lv in LEVELS]]:
+        p.error(f"no level {unknown[0]}: the levels are {','.join(str(lv.number) for lv in LEVELS)}")
+    if not network.has_hidden and args.hidden != HIDDEN:
+        p.error(f"--hidden sizes the MLP; {network.title} has fixed sizes")
+    if 1 not in args.levels:
+        p.error("level 1 is the gold standard every level is checked against: include it in --levels")
+    for name in ("epochs", "train_size", "batch", "hidden", "rounds"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.seed < 0:
+        p.error(f"--seed must be >= 0 (NumPy's seeds are), got {args.seed}")
+    if not (np.isfinite(args.lr) and args.lr >= 0):
+        p.error(f"--lr must be a finite number >= 0, got {args.lr}")
+    try:  # before the training, not after it
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / ".writable").touch()
+        (args.out / ".writable").unlink()
+    except OSError as e:
+        p.error(f"--out {args.out}: cannot write there ({e.strerror or e})")
+    return args
+
+
+def training_set(data, args) -> tuple[np.ndarray, np.ndarray, int]:
+    """X, y of the first --train-size images (repeated with --repeat when the set is smaller), and N."""
+    images, labels = data.train_images, data.train_labels
+    if args.train_size > len(images) and args.repeat:
+        copies = -(-args.train_size // len(images))
+        print(f"NOTE: this data set has {len(images):,} training images: repeating them {copies} times (--repeat)")
+        # immutable like the originals (common/contract), so that a level uploads the data set once, not per epoch
+        labels = immutable(np.tile(labels, copies))
+        images = np.tile(images, (copies, 1))
+    n = min(args.train_size, len(images))
+    if n < args.train_size:
+        print(f"NOTE: asked for {args.train_size:,} training images, this data set has {n:,}: training on {n:,}")
+    return normalize(images[:n]), labels[:n], n
+
+
+def main(argv: list[str] | None = None) -> int:
+    started = time.perf_counter()
+    args = parse_args(argv)
+    quiet = args.quiet or bool(os.environ.get("CI")) or not sys.stderr.isatty()
+    data = load_mnist(quiet=quiet)
+    print(f"data: {data.source}")
+    X, y, n = training_set(data, args)
+    X_test, y_test = normalize(data.test_images), data.test_labels
+    network = args.network
+    params = network.network.init_params(args.seed, args.hidden)
+    orders = [epoch_order(n, epoch, args.seed, args.shuffle) for epoch in range(args.epochs)]
+
+    runs: list[Run] = []
+    for lv, device in runs_for(args.levels, gpu_available()):
+        if why := missing(lv, device, network):
+            print(f"skipping {lv.name} ({lv.title}): {'; '.join(why)}")
+            continue
+        for convolution in network.variants(lv.number):  # LeNet's levels 4 and 5 have two each
+            options = {"convolution": convolution} if convolution else {}
+            label = f"{lv.name}[{', '.join([device, *options.values()])}]"
+            runs.append(Run(label, lv.number, device, factory(lv, device, network, **options),
+                            {"device": device, **options}))
+    absent = {}
+    if gpu_available() and not args.no_peers:
+        runs += peer_runs(network)
+        for name, why in (absent := missing_peers(network)).items():
+            print(f"skipping the peer {name}: {why}")
+    if not runs or runs[0].label != REFERENCE:
+        raise SystemExit(f"{REFERENCE} must run: it is the reference every level is checked against")
+    for _ in range(args.rounds):  # a disturbance of the machine lands in one round of several rows
+        for run in runs:
+            train(run.factory(params), run, params, X, y, X_test, y_test, orders, args, quiet)
+    twin = train(factory(level(1), "cpu", network, dtype="float64")(params),
+                 Run("level1[cpu, float64]", 1, "cpu", None, {"device": "cpu", "dtype": "float64"}),
+                 params, X, y, X_test, y_test, orders, args, quiet)
+    verify_runs(runs, twin, params, X, y, y_test, orders, args, quiet)
+
+    steps_per_epoch = -(-n // args.batch)
+    rows = summarize(runs, args, steps_per_epoch)
+    print(
+        f"\n{network.title}: {n:,} images x {args.epochs} epochs, batch {args.batch}{size_note(args)}, lr {args.lr}, "
+        f"seed {args.seed}"
+        f"{', shuffled' if args.shuffle else ''}; verified against {REFERENCE}: lockstep at every step, "
+        f"free run against float32 noise (common/harness/verify.py)"
+    )
+    print(timing_rule(args.rounds) + "\n")
+    print_table(rows)
+    settings = {k: v for k, v in vars(args).items() if k not in ("out", "quiet", "no_peers", "network")}
+    settings["train_size"] = n
+    if not network.has_hidden:
+        del settings["hidden"]
+    results = {
+        "settings": settings,
+        "data": data.source,
+        "machine": machine(),
+        "rules": {"yardstick": verify.YARDSTICK, "loss_rtol": verify.LOSS_RTOL, "loss_atol": verify.LOSS_ATOL,
+                  "free_k": verify.FREE_K, "free_floor": verify.FREE_FLOOR, "accuracy_floor_images": verify.ACC_FLOOR},
+        "timing": WARM_UP,
+        "steady_ratio": STEADY_RATIO,
+        "table": rows,
+        "peers_not_run": absent,
+        "runs": [_for_json(run) for run in runs + [twin]],
+        "elapsed_s": time.perf_counter() - started,  # the whole job: data, training, every check
+    }
+    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    plot(runs, twin, args.out, f"{network.title}, {n:,} images, batch {args.batch}{size_note(args)}", args.epochs)
+    print(f"\nwrote {args.out / 'results.json'}, loss_curves.png and lockstep.png")
+    for run in runs:
+        record = run.lockstep and run.lockstep["record"]
+        for tie in (record.ties if record else [])[:5]:
+            print(f"tie: {run.label} at {tie.describe()}")
+    failed = [run for run in runs if run.failure]
+    for run in failed:
+        print(f"FAIL: {run.label} {run.failure}" if "diverged" not in run.failure else f"DIVERGED: {run.label} {run.failure}")
+    for run in runs:
+        if not steady(run):
+            print(f"UNSTEADY: {run.label}'s rounds took {', '.join(f'{s * 1e3:.1f}' for s in run.rounds)} ms per "
+                  f"epoch (median): more than {STEADY_RATIO}x apart, so its time is not published; run it again")
+    # the peers are yardsticks: a failed check is reported (their arithmetic misses the rule), the exit status is the
+    # levels'
+    return 1 if any(run.label.split("[")[0] not in PEERS for run in failed) else 0
+
+
+def timing_rule(rounds: int) -> str:
+    """How the table's times were taken, in a sentence."""
+    if rounds == 1:
+        return f"Timing: {WARM_UP}; us/step is the median epoch's."
+    return (f"Timing: {WARM_UP}; every row timed {rounds} times, in rounds over the rows; us/step is the median of "
+            f"the rounds' median epochs, with their range; a row whose rounds are more than {STEADY_RATIO}x apart "
+            "is flagged unsteady and not published.")
+
+
+def size_note(args) -> str:
+    """", hidden 256" for the MLP; nothing for a network of fixed sizes."""
+    return f", hidden {args.hidden}" if args.network.has_hidden else ""
+
+
+def _for_json(run: Run) -> dict:
+    """A run as results.json keeps it: no per-step arrays (the plots show them), no predictions."""
+    return {
+        "label": run.label, "level": run.level, "device": run.device, "ran": run.ran, "steps": len(run.losses),
+        "epoch_seconds": run.epoch_seconds, "epoch_means": verify.epoch_means(run.losses, len(run.epoch_seconds)).tolist()
+        if len(run.losses) % max(len(run.epoch_seconds), 1) == 0 else None,
+        "test_accuracy": run.test_accuracy,
+        "lockstep": {k: v for k, v in run.lockstep.items() if k != "record"} if run.lockstep else None,
+        "free_run": run.free_run, "failure": run.failure,
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,526 @@
+"""What "verified against the gold standard" means here: two checks, both on the real data.
+
+1. Lockstep, every step of the run (tight). At step k the level is loaded with level 1's parameters
+   theta_k, takes one step on level 1's batch, and must reproduce level 1's loss and level 1's update
+   theta_{k+1} - theta_k, tensor by tensor. Every step starts from the gold standard's parameters, so
+   float32 differences cannot pile up. The yardstick for "reproduce" is the one PyTorch's own tests use
+   for float32: the same step computed in float64 (`exact_step`); the level's result may be at most
+   YARDSTICK times as far from it as level 1's is, plus the rounding of the result to float32, which no
+   level can avoid. One exception is handled, not excused: a tie, a ReLU (or, in LeNet-5, a max-pool window) that
+   float32 may decide either way (common/harness/verify_lenet.py for LeNet's rule).
+2. The free run, statistically. The level's uninterrupted run (the timed one) cannot be compared step
+   by step: once a tie sends two float32 runs different ways, they part, as any two float32 trainings
+   that sum in different orders do. So the free run is compared by what float32 noise allows, measured
+   in the same run: level 1's own distance from its float64 twin (`check_free_run`).
+
+A run whose loss becomes NaN or infinite is reported as diverged at its first such step, with the likely
+cause, and never as a disagreement.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from common.levels import THE_MLP, level
+from common.nets import Network
+from common.nets.mlp import N_IN, PARAM_NAMES
+
+# ---- 1. lockstep ----
+
+# The update rule, per tensor: ||theta_level - theta_64|| <= YARDSTICK * ||theta_1 - theta_64||
+#     + 2u * ||theta_64||       rounding p - lr * grad to float32: one ulp of each parameter (2u|p| bounds it,
+#                               u = 2^-24) - two correct levels may round to neighbouring floats;
+#     + FLOOR * u * ||update||  the relative error a chain of float32 sums and a softmax routinely leaves in one
+#                               gradient entry, whatever level 1's luck: level 1's own error is the yardstick,
+#                               but in a tensor of one element (hidden 1) it can be almost 0 by chance.
+# where theta_64 is the step in float64 and theta_1 level 1's. Why not a fixed relative tolerance: late in
+# training the updates are tiny beside the parameters, so rounding each parameter to float32 is a large part
+# of an update, and where softmax is confident, p - 1 cancels. Both are float32 facts that level 1 suffers
+# too; float64 measures them step by step.
+# How much of this allowance each level uses is measured in every run: the `lockstep` column of results/*/ (and
+# of `make compare`'s table). A learning rate 0.2% off is 2e-3 = 34,000u of every update: it breaks the rule at the
+# first step (tests/test_verify.py), and so does every planted bug of tests/plant_bugs.py; tests/test_sharpness.py
+# pins that 1.5x the allowance fails and 0.5x passes.
+# YARDSTICK = 2 is PyTorch's multiple for float32 against float64.
+YARDSTICK = 2.0
+FLOOR = 32
+# The loss: |loss - level 1's| <= LOSS_RTOL * level 1's loss + LOSS_ATOL. A loss is the difference of a
+# log-sum-exp and a logit, each a few units in size, so its rounding is absolute (~1e-7), not relative to
+# a loss near 0; the correct levels' distances sit well inside it (the `lockstep` column counts the loss too). A
+# wrong loss (a missing mean, a wrong label) is off by far more.
+LOSS_RTOL, LOSS_ATOL = 1e-5, 2e-6
+
+# ReLU ties. A hidden unit's pre-activation h = b + sum_i w_i x_i is 785 rounded terms. Summed in any
+# order, float32 lands within gamma_n * S of the exact value, where S = |b| + sum_i |w_i x_i|,
+# u = 2^-24 (float32's unit roundoff) and gamma_n = n u / (1 - n u) (Higham, Accuracy and Stability of
+# Numerical Algorithms, section 3.1; it covers the rounding of the products too, and any order or
+# blocking of the sum). So a float32 ReLU can decide differently from exact arithmetic, or from another
+# float32 level, only where |h| <= gamma_n * S: a tie. There one level passes a gradient the other does
+# not, and unit j's row of fc1.weight and its fc1.bias entry change by exactly lr * da[r, j] * [x_r, 1]
+# for the batch row r concerned; nothing else changes visibly (a = h is then within rounding of 0 either
+# way). So at every tie candidate the flip that explains a difference is found (greedily, one at a time)
+# and taken into account, first for level 1 (the float64 step follows level 1's decisions), then for the
+# level under test. Each flip the level needs is reported as a tie, and the rule above must still hold:
+# a difference that no flip explains fails.
+U = 2.0**-24
+
+
+def gamma(n: int) -> float:
+    """gamma_n = n u / (1 - n u): a float32 sum of n terms, in any order, is within gamma_n * sum |terms|."""
+    return n * U / (1 - n * U)
+
+
+GAMMA = gamma(N_IN + 1)  # ~4.7e-5: the pre-activations
+
+
+@dataclass
+class ExactStep:
+    """One SGD step in float64 from given parameters: the result, and what the tie analysis needs."""
+
+    loss: float
+    params: dict[str, np.ndarray]  # float64, not rounded
+    x: np.ndarray  # (B, 784) the batch
+    w1: np.ndarray  # (H, 784) fc1.weight before the step
+    b1: np.ndarray  # (H)
+    h: np.ndarray  # (B, H) the pre-activations
+    da: np.ndarray  # (B, H) d(loss)/d(activation), the size of a flip
+
+    def candidates(self) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, units) where float32 may put h on either side of 0: |h| <= gamma_n * S."""
+        bound = GAMMA * (np.abs(self.x) @ np.abs(self.w1).T + np.abs(self.b1))
+        return np.nonzero(np.abs(self.h) <= bound)
+
+    def bound(self, r: int, j: int) -> float:
+        """gamma_n * S of one (row, unit)."""
+        return float(GAMMA * (np.abs(self.x[r]) @ np.abs(self.w1[j]) + abs(self.b1[j])))
+
+
+def exact_step(params: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray, lr: float) -> ExactStep:
+    """The SGD step in float64, its gradients by autograd: level 1's network, none of the levels' formulas (LABS.md)."""
+    p = {name: torch.tensor(params[name], dtype=torch.float64, requires_grad=True) for name in PARAM_NAMES}
+    x64 = torch.tensor(x, dtype=torch.float64)
+    h = x64 @ p["fc1.weight"].T + p["fc1.bias"]
+    a = torch.relu(h)
+    a.retain_grad()  # da, the size of a ReLU flip
+    loss = F.cross_entropy(a @ p["fc2.weight"].T + p["fc2.bias"], torch.as_tensor(y, dtype=torch.int64))
+    loss.backward()
+    stepped = {name: (t - lr * t.grad).detach().numpy() for name, t in p.items()}
+    w1, b1 = (p[name].detach().numpy() for name in ("fc1.weight", "fc1.bias"))
+    return ExactStep(loss.item(), stepped, x64.numpy(), w1, b1, h.detach().numpy(), a.grad.numpy())
+
+
+def explain_flips(residual_w: np.ndarray, residual_b: np.ndarray, exact: ExactStep, lr: float):
+    """The ReLU flips (row, unit) at tie candidates that explain residuals of fc1.weight (H, 784) and fc1.bias (H).
+
+    Returns (dw, db, flips): the change the flips make to the update, to add to the expected one.
+    """
+    dw, db, flips = np.zeros_like(residual_w), np.zeros_like(residual_b), []
+    rows, units = exact.candidates()
+    for j in np.unique(units):
+        residual = np.append(residual_w[j], residual_b[j])
+        candidates = list(rows[units == j])
+        while candidates:
+            # A flip of row r adds or removes da[r, j] * [x_r, 1] in the gradient: -+lr times that in the update.
+            moves = [(r, s * lr * exact.da[r, j] * np.append(exact.x[r], 1.0)) for r in candidates for s in (1, -1)]
+            left = [np.linalg.norm(residual - move) for _, move in moves]
+            best = int(np.argmin(left))
+            if left[best] >= np.linalg.norm(residual):
+                break
+            r, move = moves[best]
+            residual -= move
+            dw[j] += move[:-1]
+            db[j] += move[-1]
+            candidates.remove(r)
+            flips.append((int(r), int(j)))
+    return dw, db, flips
+
+
+@dataclass
+class Tie:
+    """A ReLU the level decided differently from level 1: at this step, for this image, this hidden unit."""
+
+    step: int
+    unit: int
+    image: int  # row of the training set
+    h: float  # the exact pre-activation, within `bound` of 0
+    bound: float  # gamma_n * S
+
+    def describe(self) -> str:
+        return (f"step {self.step}, hidden unit {self.unit}, image {self.image}: exact pre-activation {self.h:.2g}, "
+                f"within float32's reach of 0 ({self.bound:.2g}); its ReLU went the other way from level 1's")
+
+
+class MlpStep:
+    """The MLP's float64 step, and the ReLU flips (closed form, explain_flips) that explain a float32 result."""
+
+    names = PARAM_NAMES
+
+    def __init__(self, params: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray, lr: float):
+        self.exact, self.lr = exact_step(params, x, y, lr), lr
+        self.loss, self.params = self.exact.loss, dict(self.exact.params)
+
+    def observe(self, model) -> None:
+        """What the step needs of an implementation before it steps: nothing, the flips have a closed form."""
+        return
+
+    def take_reference(self, after: dict[str, np.ndarray], observed=None) -> dict[str, np.ndarray]:
+        """Level 1's step ended at `after`: where it went the other way from exact arithmetic at a tie (its fc1
+        update moved further than rounding), the float64 step follows it from now on. Returns that step."""
+        self.params = self.follow(after, observed, -1, None, None)[0]
+        return dict(self.params)
+
+    def follow(self, got: dict[str, np.ndarray], observed, k: int, batch: np.ndarray | None,
+               allowed: dict | None) -> tuple[dict[str, np.ndarray], list[Tie]]:
+        """(the float64 step taking the ReLU flips that explain `got`, the flips as ties), searched where `got` is
+        past `allowed` (None: further than rounding)."""
+        first = ("fc1.weight", "fc1.bias")
+        far = [_flipped(_norm(got[n] - self.params[n]), self.params[n]) if allowed is None
+               else _norm(got[n] - self.params[n]) > allowed[n] for n in first]
+        if not any(far):
+            return dict(self.params), []
+        dw, db, flips = explain_flips(got[first[0]] - self.params[first[0]], got[first[1]] - self.params[first[1]],
+                                      self.exact, self.lr)
+        expected = {**self.params, first[0]: self.params[first[0]] + dw, first[1]: self.params[first[1]] + db}
+        ties = [] if batch is None else [Tie(k, j, int(batch[r]), float(self.exact.h[r, j]), self.exact.bound(r, j))
+                                         for r, j in flips]
+        return expected, ties
+
+    @staticmethod
+    def unexplained(name: str) -> str:
+        """What a failure of this tensor adds: only fc1's updates can hold a tie."""
+        return "; no ReLU tie explains it" if name.startswith("fc1") else ""
+
+
+@dataclass
+class LockstepRecord:
+    """One level's lockstep: per-step errors, the ties, and the first failure."""
+
+    label: str
+    names: tuple[str, ...] = PARAM_NAMES  # the network's parameters
+    loss_err: list[float] = field(default_factory=list)  # |loss - level 1's| / level 1's loss
+    update_err: list[list[float]] = field(default_factory=list)  # ||update - level 1's|| / ||level 1's||, per tensor
+    used: list[float] = field(default_factory=list)  # the largest share of an allowance used (loss or any tensor)
+    ties: list = field(default_factory=list)  # Tie (the MLP) or common.harness.verify_lenet.LayerTie
+    failure: str | None = None
+
+    def summary(self) -> dict:
+        """Maxima and percentiles, ties and the verdict, as results.json keeps them."""
+        update = np.asarray(self.update_err).reshape(-1, len(self.names))
+        per_tensor = {
+            name: {q: float(np.percentile(update[:, i], p)) if len(update) else 0.0
+                   for q, p in (("median", 50), ("p99", 99), ("max", 100))}
+            for i, name in enumerate(self.names)
+        }
+        return {
+            "steps": len(self.used),
+            "max_loss_err": max(self.loss_err, default=0.0),
+            "update_err": per_tensor,
+            "max_used": max(self.used, default=0.0),
+            "ties": [asdict(t) for t in self.ties],
+            "failure": self.failure,
+        }
+
+
+def _norm(a) -> float:
+    return float(np.linalg.norm(a))
+
+
+def _share(distance: float, allowed: float) -> float:
+    """distance / allowed, where nothing allowed and nothing moved (a parameter exactly 0 that stays 0) is 0."""
+    return distance / allowed if allowed else (0.0 if distance == 0 else np.inf)
+
+
+def _flipped(distance: float, params64: np.ndarray) -> bool:
+    """Could a ReLU flip be in this distance? A flip moves a row by lr * |da| * ||x|| (~1e-4 here), rounding
+    alone by u * ||theta|| (~1e-6): so not below 4 x the rounding. Saves the tie search on most steps."""
+    return distance > 4 * U * _norm(params64)
+
+
+@dataclass
+class Step:
+    """What every level's step is compared with: level 1's, and the float64 one that follows level 1's decisions."""
+
+    k: int  # the step's number
+    batch: np.ndarray  # its rows of the training set
+    before: dict[str, np.ndarray]  # level 1's parameters before it
+    after: dict[str, np.ndarray]  # ... and after it
+    loss: float  # level 1's loss
+    exact: MlpStep  # the float64 step (the network's kind: MlpStep, common.harness.verify_lenet.LeNetStep)
+    expected: dict[str, np.ndarray]  # its parameters, level 1's decisions taken
+    own: dict[str, float]  # level 1's distance from them, per tensor
+    size: dict[str, float]  # the size of level 1's update, per tensor
+    allowed: dict[str, float]  # how far a level's result may be from `expected`, per tensor
+
+
+class Lockstep:
+    """Steps level 1 one batch at a time and, from its parameters before each step, every level under test."""
+
+    def __init__(self, reference, models: dict, X: np.ndarray, y: np.ndarray, lr: float, float64_step=MlpStep):
+        self.reference, self.models, self.X, self.y = reference, models, X, y
+        self.lr = float(np.float32(lr))  # the float32 learning rate every level steps with (contract.check_training)
+        self.float64_step = float64_step  # the network's: (params, x, y, lr) -> MlpStep or the like
+        self.records = {label: LockstepRecord(label, float64_step.names) for label in models}
+        self.steps = 0
+        self.reference_diverged: str | None = None
+
+    def step(self, batch: np.ndarray) -> None:
+        """One step on rows `batch` of X: level 1's, the exact one, then each level's from the same parameters."""
+        k, X, y, lr = self.steps, self.X, self.y, self.lr
+        self.steps += 1
+        if self.reference_diverged:
+            return
+        before = self.reference.state_dict()
+        exact = self.float64_step(before, X[batch], y[batch], lr)
+        observed = exact.observe(self.reference)
+        loss = float(self.reference.train_epoch(X, y, len(batch), lr, batch)[0])
+        after = self.reference.state_dict()
+        if not (np.isfinite(loss) and all(np.isfinite(v).all() for v in after.values())):
+            self.reference_diverged = f"level 1 itself diverged at lockstep step {k}"
+            return
+        expected = exact.take_reference(after, observed)  # where level 1 went the other way at a tie, so does it
+        names = exact.names
+        own = {n: _norm(after[n] - expected[n]) for n in names}  # level 1's own distance
+        size = {n: _norm(after[n] - before[n]) for n in names}
+        allowed = {n: YARDSTICK * own[n] + 2 * U * _norm(expected[n]) + FLOOR * U * size[n] for n in names}
+        step = Step(k, batch, before, after, loss, exact, expected, own, size, allowed)
+        for label, model in self.models.items():
+            record = self.records[label]
+            if record.failure:
+                continue
+            model.load_state_dict(before)
+            observed = exact.observe(model)
+            got_loss = float(model.train_epoch(X, y, len(batch), lr, batch)[0])
+            got = model.state_dict()
+            if not (np.isfinite(got_loss) and all(np.isfinite(v).all() for v in got.values())):
+                record.failure = f"step {k}: non-finite loss or parameters from level 1's finite ones: a bug, not the data"
+                continue
+            self._compare(record, step, got_loss, got, observed)
+
+    @staticmethod
+    def _compare(record: LockstepRecord, step: Step, loss: float, got: dict[str, np.ndarray], observed) -> None:
+        """Record the step's errors and ties for one level; set its failure if a rule is broken."""
+        names = step.exact.names
+        expected, ties = step.exact.follow(got, observed, step.k, step.batch, step.allowed)
+        record.ties += ties
+        adjust = {n: expected[n] - step.expected[n] for n in names}  # what the level's own tie decisions changed
+        distance = {n: _norm(got[n] - expected[n]) for n in names}
+        loss_allowed = LOSS_RTOL * abs(step.loss) + LOSS_ATOL
+        shares = [abs(loss - step.loss) / loss_allowed] + [_share(distance[n], step.allowed[n]) for n in names]
+        record.loss_err.append(abs(loss - step.loss) / max(abs(step.loss), np.finfo(np.float32).tiny))
+        record.update_err.append([_norm(got[n] - step.after[n] - adjust[n]) / step.size[n] if step.size[n] else 0.0
+                                  for n in names])
+        record.used.append(max(shares))
+        if shares[0] > 1:
+            record.failure = (f"step {step.k}: loss {loss:.8g}, level 1's {step.loss:.8g}: "
+                              f"{abs(loss - step.loss):.2g} apart, more than {loss_allowed:.2g} allowed")
+        elif max(shares) > 1:
+            name = names[int(np.argmax(shares[1:]))]
+            record.failure = (f"step {step.k}: the {name} update is {distance[name]:.3g} from the float64 step, where "
+                              f"level 1's is {step.own[name]:.3g} ({step.allowed[name]:.3g} allowed)"
+                              + step.exact.unexplained(name))
+
+
+@contextmanager
+def torch_threads(n: int):
+    """PyTorch on n threads inside the block: lockstep alternates PyTorch and NumPy every step, and their two
+    thread pools, each spinning while the other works, slow it severalfold on a machine of few cores."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def lockstep(models: dict, params, X, y, orders: list[np.ndarray], batch: int, lr: float,
+             quiet: bool = True, network: Network = THE_MLP) -> tuple[dict[str, LockstepRecord], str | None]:
+    """Every step of the run (the batches of `orders`, epoch by epoch) in lockstep with level 1 on the CPU, for a
+    network of common/nets. Returns each model's record and, if level 1 itself diverged, why.
+    """
+    run = Lockstep(level(1).load(network)(params, device="cpu"), models, X, y, lr, network.float64_step())
+    batches = [order[start : start + batch] for order in orders for start in range(0, len(order), batch)]
+    with torch_threads(1):
+        for b in tqdm(batches, desc="lockstep", disable=quiet, leave=False):
+            run.step(b)
+            if run.reference_diverged or all(r.failure for r in run.records.values()):
+                break
+    return run.records, run.reference_diverged
+
+
+# ---- the per-layer check: where a step went wrong ----
+# Each layer is given the level's own input to it and recomputed alone in float64, forward and backward, so an error
+# is blamed on the layer that made it, not on the ones after it. The rule is lockstep's: at most YARDSTICK times as
+# far from float64 as level 1's layer is (from float64 of level 1's own inputs), plus the rounding of the result
+# (2u of its size) and the floor of FLOOR u of its size; a ReLU or a max-pool, which do no arithmetic, exactly.
+# A network gives its layers as ops: name -> (its float64 function, its input: the level's output of the layer
+# before), in the forward order (MLP_LAYERS below; LeNet-5's in common/harness/verify_lenet.py). The checks, by name: each
+# layer's output; "d<layer>", the gradient of each layer's input but the first's (the pixels have none); "dloss",
+# the gradient of the loss with respect to the logits.
+
+MLP_LAYERS = ("fc1", "relu1", "fc2")
+MLP_EXACT = ("relu1",)
+
+
+def mlp_layer_ops(params: dict, x: np.ndarray, outputs: dict) -> dict:
+    """The MLP's layers in float64 as (function, the level's own input to it)."""
+    p = {k: torch.tensor(np.asarray(v, dtype=np.float64)) for k, v in params.items()}
+    t = {k: torch.tensor(np.asarray(v, dtype=np.float64)) for k, v in outputs.items()}
+    return {"fc1": (lambda a: F.linear(a, p["fc1.weight"], p["fc1.bias"]), torch.tensor(np.asarray(x, np.float64))),
+            "relu1": (torch.relu, t["fc1"]), "fc2": (lambda a: F.linear(a, p["fc2.weight"], p["fc2.bias"]), t["relu1"])}
+
+
+def layer_references(ops: dict, logits: np.ndarray | None, y: np.ndarray | None, grads: dict | None):
+    """For each layer of `ops`, from the level's own inputs to it: its output in float64 and, given the level's
+    gradients (grads, by layer), the gradient of its input from the level's gradient of its output; "loss": the
+    gradient of the loss with respect to the level's logits, for labels y. grads None: the outputs only."""
+    g = {k: torch.tensor(np.asarray(v, dtype=np.float64)) for k, v in (grads or {}).items()}
+    first = next(iter(ops))
+    forward, backward = {}, {}
+    for name, (op, given) in ops.items():
+        leaf = given.clone().requires_grad_(name != first and grads is not None)
+        out = op(leaf)
+        forward[name] = out.detach().numpy()
+        if name != first and grads is not None:
+            out.backward(g[name])
+            backward[name] = leaf.grad.numpy()
+    if grads is not None:
+        leaf = torch.tensor(np.asarray(logits, dtype=np.float64), requires_grad=True)
+        F.cross_entropy(leaf, torch.tensor(np.asarray(y, dtype=np.int64))).backward()
+        backward["loss"] = leaf.grad.numpy()
+    return forward, backward
+
+
+def per_layer(layer_ops, order: tuple[str, ...], exact_layers: tuple[str, ...], level_layers: tuple[dict, dict],
+              reference_layers: tuple[dict, dict], params: dict, x: np.ndarray, y: np.ndarray):
+    """Every layer of a level (layers(): outputs and gradients, by layer) against float64 from its own inputs,
+    forward and backward, by the rule above, level 1's layers (reference_layers) giving the yardstick. Returns each
+    check's share of its allowance and the first failure (or None)."""
+    (outputs, grads), (ref_outputs, ref_grads) = level_layers, reference_layers
+    mine, theirs = (layer_references(layer_ops(params, x, out), out[order[-1]], y, g)
+                    for out, g in (level_layers, reference_layers))
+    previous = dict(zip(order[1:], order))
+    checks = [(name, outputs[name], mine[0][name], ref_outputs[name], theirs[0][name], name in exact_layers)
+              for name in order]
+    checks += [(f"d{name}", grads[previous[name]], mine[1][name], ref_grads[previous[name]], theirs[1][name],
+                name in exact_layers) for name in order[1:]]
+    checks.append(("dloss", grads[order[-1]], mine[1]["loss"], ref_grads[order[-1]], theirs[1]["loss"], False))
+    return _judge(checks)
+
+
+def per_layer_forward(layer_ops, order: tuple[str, ...], exact_layers: tuple[str, ...], outputs: dict,
+                      reference_outputs: dict, params: dict, x: np.ndarray):
+    """per_layer's forward half, for inference (no labels, no gradients): every layer's output."""
+    mine, theirs = (layer_references(layer_ops(params, x, out), None, None, None)[0]
+                    for out in (outputs, reference_outputs))
+    return _judge([(name, outputs[name], mine[name], reference_outputs[name], theirs[name], name in exact_layers)
+                   for name in order])
+
+
+def mlp_per_layer(level_layers: tuple[dict, dict], reference_layers: tuple[dict, dict], params: dict, x: np.ndarray,
+                  y: np.ndarray):
+    """per_layer with the MLP's layers."""
+    return per_layer(mlp_layer_ops, MLP_LAYERS, MLP_EXACT, level_layers, reference_layers, params, x, y)
+
+
+def _judge(checks: list[tuple]) -> tuple[dict[str, float], str | None]:
+    """Each check (name, got, its float64, the reference's got, its float64, exact op) against its allowance."""
+    shares, failure = {}, None
+    for name, got, exact, ref_got, ref_exact, exact_op in checks:
+        distance, own = _norm(got - exact), _norm(ref_got - ref_exact)
+        allowed = 0.0 if exact_op else YARDSTICK * own + (2 + FLOOR) * U * _norm(exact)
+        shares[name] = _share(distance, allowed)
+        if shares[name] > 1 and failure is None:
+            what = f"{name[1:]}'s input gradient" if name.startswith("d") else f"{name}'s output"
+            failure = (f"per layer: {what} is {distance:.3g} from float64 of the level's own inputs; level 1's is "
+                       f"{own:.3g} ({allowed:.3g} allowed)")
+    return shares, failure
+
+
+# ---- 2. the free run ----
+
+# Once a ReLU tie sends them different ways, two correct float32 runs are two different SGD trajectories
+# through the same batches. Their per-step losses then differ by 1e-3..1e-2, but their per-epoch mean
+# losses and test accuracy agree to what float32 noise allows, and that noise is measured in the same run:
+# level 1's float64 twin (the same code in double precision, see level1_pytorch) is as close to exact
+# arithmetic as we get, so level 1's distance from it is the size of float32's effect on this run.
+# The `free run` column of results/*/ gives the share of this band each level used. A bug that only the free run
+# can show (an epoch's later steps, the order of its batches) moves the means by 1e-2 or more.
+FREE_K = 4  # the band is FREE_K times the measured noise ...
+FREE_FLOOR = 2.5e-4  # ... and at least FREE_K x FREE_FLOOR x the epoch's mean loss: a level may part from level 1
+# late in a run, at a tie the twin never met, and one epoch cannot yet show the twin's noise for it
+ACC_FLOOR = 10  # test images: accuracy may differ by as many images as the twin flipped, and at least this
+
+
+@dataclass
+class FreeRun:
+    """One free run against level 1's, with level 1's float64 twin as the yardstick of float32 noise."""
+
+    epoch_means: list[float]  # the level's mean loss per epoch
+    epoch_dev: list[float]  # |its mean - level 1's| per epoch
+    band: list[float]  # allowed per epoch
+    accuracy_dev: float  # |test accuracy - level 1's|
+    accuracy_band: float
+    failure: str | None = None
+
+    @property
+    def used(self) -> float:
+        """The largest share of a band used (per-epoch means or accuracy); infinite when the runs differ in length."""
+        if not self.band:
+            return float("inf")
+        return max(max(d / b for d, b in zip(self.epoch_dev, self.band)), self.accuracy_dev / self.accuracy_band)
+
+
+def epoch_means(losses, epochs: int) -> np.ndarray:
+    """Mean loss of each epoch (float64)."""
+    return np.asarray(losses, dtype=np.float64).reshape(epochs, -1).mean(axis=1)
+
+
+def free_run_noise(reference_losses, twin_losses, reference_pred, twin_pred, epochs: int) -> dict:
+    """float32's effect on this run: level 1 against its float64 twin (per-epoch means, test predictions)."""
+    if len(twin_losses) != len(reference_losses) or not np.isfinite(twin_losses).all():
+        raise ValueError("level 1's float64 twin did not finish its run: no yardstick for the free runs")
+    return {
+        "epoch_dev": float(np.abs(epoch_means(reference_losses, epochs) - epoch_means(twin_losses, epochs)).max()),
+        "test_images_flipped": int((np.asarray(reference_pred) != np.asarray(twin_pred)).sum()),
+    }
+
+
+def check_free_run(losses, reference_losses, accuracy: float, reference_accuracy: float, n_test: int,
+                   noise: dict, epochs: int) -> FreeRun:
+    """The level's free run against level 1's, within FREE_K x the float32 noise measured by the twin."""
+    if len(losses) != len(reference_losses):
+        return FreeRun([], [], [], 0.0, 1.0, f"{len(losses)} steps instead of {len(reference_losses)}: "
+                                             "a batch was dropped or added")
+    means, reference_means = epoch_means(losses, epochs), epoch_means(reference_losses, epochs)
+    dev = np.abs(means - reference_means)
+    band = FREE_K * np.maximum(noise["epoch_dev"], FREE_FLOOR * reference_means)
+    accuracy_band = max(noise["test_images_flipped"], ACC_FLOOR) / n_test
+    run = FreeRun(means.tolist(), dev.tolist(), band.tolist(), abs(accuracy - reference_accuracy), accuracy_band)
+    if (dev > band).any():
+        e = int(np.argmax(dev > band))
+        run.failure = (f"epoch {e}: mean loss {means[e]:.6g}, level 1's {reference_means[e]:.6g}: "
+                       f"{dev[e]:.2g} apart, more than float32 noise allows ({band[e]:.2g})")
+    elif run.accuracy_dev > accuracy_band:
+        run.failure = (f"test accuracy {accuracy:.4f}, level 1's {reference_accuracy:.4f}: more than float32 "
+                       f"noise allows ({accuracy_band * n_test:.0f} of {n_test:,} images)")
+    return run
+
+
+def divergence(losses, lr: float, X: np.ndarray) -> str | None:
+    """Why a run's losses stopped being finite, or None: the first bad step and the likely cause."""
+    bad = np.flatnonzero(~np.isfinite(np.asarray(losses, dtype=np.float64)))
+    if not len(bad):
+        return None
+    step = int(bad[0])
+    scale = float(np.abs(X).max())
+    cause = (f"the inputs reach |x| = {scale:.3g}: normalize them (common.harness.data.normalize)" if scale > 1e3
+             else f"the learning rate {lr:g} is too large: try one 10x smaller")
+    return f"diverged: loss {losses[step]} at step {step}; likely cause: {cause}"
