@@ -304,58 +304,11 @@ def print_table(rows: list[dict]) -> None:
 
 
 def plot(runs: list[Run], twin: Run, out: Path, title: str, epochs: int) -> None:
-    """loss_curves.png (the free runs, and their per-epoch means against the band) and lockstep.png."""
-    import matplotlib
+    """loss_curves.png and lockstep.png (common/harness/plots.py)."""
+    from common.harness import plots
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    window = 50
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 8))
-    for i, run in enumerate(runs):
-        losses = np.asarray(run.losses)
-        smooth = np.convolve(losses, np.ones(window) / window, mode="valid") if len(losses) > window else losses
-        top.plot(smooth, label=run.label, lw=2.5 - 0.3 * i, alpha=0.8)
-    top.set(xlabel="step", ylabel=f"loss (mean of {window} steps)", title=f"Free runs - {title}", yscale="log")
-    top.legend()
-    reference = verify.epoch_means(runs[0].losses, epochs)
-    x = np.arange(epochs)
-    band = next((np.asarray(r.free_run["band"]) for r in runs[1:] if r.free_run and r.free_run["band"]), None)
-    if band is not None:
-        bottom.fill_between(x, -band, band, color="red", alpha=0.12, label="allowed (band)")
-    bottom.plot(x, verify.epoch_means(twin.losses, epochs) - reference, "k--", lw=1, label="float64 twin (the noise)")
-    for run in runs[1:]:
-        if len(run.losses) == len(runs[0].losses):
-            bottom.plot(x, verify.epoch_means(run.losses, epochs) - reference, "o-", ms=4, lw=1, label=run.label)
-    bottom.axhline(0, color="gray", lw=0.5)
-    bottom.set(xlabel="epoch", ylabel=f"mean loss - {runs[0].label}'s", title="Per-epoch mean loss against level 1")
-    bottom.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "loss_curves.png", dpi=120)
-    plt.close(fig)
-
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 8), sharex=True)
-    for run in runs[1:]:
-        record = run.lockstep and run.lockstep["record"]
-        if not record or not record.used:
-            continue
-        steps = np.arange(len(record.used))
-        line = top.plot(steps, np.maximum(np.max(record.update_err, axis=1), 1e-9), lw=0.4, alpha=0.7, label=run.label)
-        bottom.plot(steps, record.used, lw=0.4, alpha=0.7, color=line[0].get_color(), label=run.label)
-        tie_steps = sorted({t.step for t in record.ties})
-        if tie_steps:
-            top.plot(tie_steps, np.max(np.asarray(record.update_err)[tie_steps], axis=1), "x",
-                     color=line[0].get_color(), ms=7, label=f"{run.label}: ties")
-    top.set(ylabel="||update - level 1's|| / ||level 1's||\n(largest tensor)", yscale="log",
-            title=f"Lockstep: every step from level 1's parameters - {title}")
-    if top.lines:
-        top.legend(fontsize=8)
-    bottom.axhline(1, color="red", ls="--", label="the tolerance")
-    bottom.set(xlabel="step", ylabel="share of the tolerance used\n(loss or any tensor)", yscale="log")
-    bottom.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "lockstep.png", dpi=120)
-    plt.close(fig)
+    plots.loss_curves(runs, twin, out, title, epochs)
+    plots.lockstep(runs, out, title, epochs)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
