@@ -340,6 +340,8 @@ __device__ void start_tiles(const Shared &s, const FusedArgs &a, int total) {
 #endif
 }
 
+/* Scaffolding: the stress and measuring builds below add calls to the kernel, each line marked "scaffold", which the
+ * chapter's listings leave out (common/book/chapter.py). The default build compiles them to nothing. */
 #ifdef FUSED_STRESS
 /* A testing build (tests/test_levels.py): each block pauses for a different time at each step, now and then for
  * long, at the places where blocks hand each other data: before writing its share, before reading the others', and
@@ -356,8 +358,9 @@ __device__ void stress_pause(const Step &st, int where) {
 __device__ void stress_pause(const Step &, int) {}
 #endif
 
-/* The measuring build (common/harness/level7_phases.py, not the default) times each phase of block 0 with clock64(), after a
- * __syncthreads (so a phase ends when the whole block is done with it), in registers; added up at the launch's end. */
+/* The measuring build (common/harness/level7_phases.py, not the default) times each phase of block 0 with clock64(),
+ * after a __syncthreads (so a phase ends when the whole block is done with it), in registers; added up at the launch's
+ * end. */
 struct PhaseClock {
     long long mark, total[8];
 };
@@ -768,7 +771,7 @@ __device__ void dw1_and_update(const Shared &s, const FusedArgs &a, const Step &
                 }
             }
         }
-        stress_pause(st, 2);
+        stress_pause(st, 2); /* scaffold */
         __syncthreads(); /* the whole block is done with the tile */
         release_tile(s, a, tile, total);
     }
@@ -800,29 +803,29 @@ __global__ void __launch_bounds__(GROUPS *GROUP_LANES, 1) fused_epoch_kernel(con
     Rows rows = start_rows(s, a); /* before the first copies, which read the image numbers */
     start_tiles<CLUSTER>(s, a, total);
     int n = 0; /* the next tile of x to read */
-    PhaseClock clock{clock64(), {}}; /* read by the measuring build only */
+    PhaseClock clock{clock64(), {}}; /* scaffold */
     for (int index = 0; index < a.steps; index++) {
         const Step st = step_at(a, index);
         next_rows(s, a, st, rows);
-        phase_done(clock, 0);
+        phase_done(clock, 0); /* scaffold */
         forward<GROUPS>(s, a, st, w, t, n, total);
-        phase_done(clock, 1);
-        stress_pause(st, 0);
+        phase_done(clock, 1); /* scaffold */
+        stress_pause(st, 0); /* scaffold */
         share_of_logits<CLUSTER, U>(s, a, st);
-        phase_done(clock, 2);
+        phase_done(clock, 2); /* scaffold */
         exchange_barrier<CLUSTER>(s, a, st);
-        phase_done(clock, 3);
-        stress_pause(st, 1);
+        phase_done(clock, 3); /* scaffold */
+        stress_pause(st, 1); /* scaffold */
         softmax_and_dlogits<CLUSTER>(s, a, st);
         record_loss(s, a, st);
-        phase_done(clock, 4);
+        phase_done(clock, 4); /* scaffold */
         backward_small<U>(s, a, st);
-        phase_done(clock, 5);
+        phase_done(clock, 5); /* scaffold */
         dw1_and_update<GROUPS>(s, a, st, w, t, n, total);
-        phase_done(clock, 6);
+        phase_done(clock, 6); /* scaffold */
     }
     store_owned(w, s, a, t, own, U);
-    phases_recorded(clock);
+    phases_recorded(clock); /* scaffold */
     if (CLUSTER) cluster_barrier(); /* no block leaves while another may still write into its memory */
 #else
     __trap(); /* make_plan fuses on compute capability 9.0 and up only */

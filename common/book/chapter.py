@@ -30,15 +30,17 @@ SCREEN_WIDTH = 900  # pixels: the widest a figure is embedded in a chapter
 _read: set[Path] = set()  # repository files shown or read through these helpers (see used_files)
 
 
-# The lab's markers around a solution (common/classroom/lab.py): they mean nothing to a reader of the chapter.
+# The lab's markers around a solution (common/classroom/lab.py): they mean nothing to a reader of the chapter. Nor do
+# the lines of testing and measuring scaffolding a source marks "/* scaffold */" (level 7's stress and phase builds).
 _LAB_MARKER = re.compile(r"^[ \t]*(?:#|/\*) (?:BEGIN LAB \d+\.\d+ .*|END LAB)(?: \*/)?\n", re.M)
+_SCAFFOLD = re.compile(r"^.*/\* scaffold \*/[ \t]*\n", re.M)
 
 
 class Code:
     """Source code as a chapter shows it: highlighted where Markdown is rendered (Jupyter, GitHub), plain elsewhere."""
 
     def __init__(self, text: str, language: str):
-        self.text, self.language = _LAB_MARKER.sub("", text + "\n").rstrip("\n"), language
+        self.text, self.language = _SCAFFOLD.sub("", _LAB_MARKER.sub("", text + "\n")).rstrip("\n"), language
 
     def _repr_markdown_(self) -> str:
         return f"```{self.language}\n{self.text}\n```"
