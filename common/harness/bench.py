@@ -1,14 +1,15 @@
 """make bench: every level's speed at the chapter's settings and at larger ones, each level verified before it is timed.
 
     python -m common.harness.bench [--tag h100] [--presets chapter,large-b64,large-b256,lenet,lenet-b64,lenet-b256]
-    python -m common.harness.bench --report          # only rewrite README.md's results block from results/*/
+    python -m common.harness.bench --report          # only rewrite results/README.md's tables and results/speed.png
 
 Each preset is one run of the compare harness (common.harness.compare), so every level is checked against
 level 1 step by step before its time counts, and every row is timed ROUNDS times, in rounds over the rows (a row whose
 rounds disagree is flagged, not published); results go to results/<tag>/<preset>/. On a GPU it
 also profiles one epoch of every GPU implementation to split a step into kernel time and the rest
 (launch overhead and gaps between kernels), written to results/<tag>/profile.json.
-The README's numbers are tables this script writes from those files, never typed by hand.
+The tables of results/README.md and the README's picture, results/speed.png, are written by this script from those
+files, never typed by hand.
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ PRESETS = {
 }
 ROUNDS = 3  # each row timed three times: its median, its range, and a flag where they disagree
 GPU_ONLY = {"lenet-b64", "lenet-b256"}  # presets of GPU levels alone: left out where no GPU is
-README = ROOT / "README.md"
+RESULTS = ROOT / "results"
+TABLES = RESULTS / "README.md"  # its block of tables is written here; the README shows SPEED
+SPEED = RESULTS / "speed.png"
 BEGIN, END = "<!-- results:begin (written by python -m common.harness.bench --report) -->", "<!-- results:end -->"
 
 
@@ -152,24 +155,69 @@ def profile_markdown(rows: list[dict]) -> str:
 
 
 def report() -> None:
-    """Rewrite README.md's results block from every results/<tag>/<preset>/results.json."""
+    """Rewrite results/README.md's block of tables from every results/<tag>/<preset>/results.json, each failed row
+    with its reason, and draw results/speed.png from the H100's."""
     blocks = []
-    tags = (ROOT / "results").iterdir() if (ROOT / "results").is_dir() else ()
-    for tag_dir in sorted(p for p in tags if p.is_dir() and p.name != "local"):
+    tags = RESULTS.iterdir() if RESULTS.is_dir() else ()
+    for tag_dir in sorted(p for p in tags if p.is_dir() and p.name not in ("local", "memory")):
         for preset in PRESETS:
             path = tag_dir / preset / "results.json"
             if path.exists():
-                blocks.append(f"`results/{tag_dir.name}/{preset}/`\n\n" + markdown_table(json.loads(path.read_text())))
+                results = json.loads(path.read_text())
+                failures = "".join(f"\n\n{row['level']} FAILED: {row['failure']}" for row in results["table"]
+                                   if not row["agrees"])
+                blocks.append(f"`{tag_dir.name}/{preset}/`\n\n" + markdown_table(results) + failures)
         profile_path = tag_dir / "profile.json"
         if profile_path.exists():
-            title = f"`results/{tag_dir.name}/profile.json` - where a GPU step's time goes (one epoch under torch.profiler)"
+            title = f"`{tag_dir.name}/profile.json` - where a GPU step's time goes (one epoch under torch.profiler)"
             blocks.append(title + "\n\n" + profile_markdown(json.loads(profile_path.read_text())))
-    text = README.read_text()
+    text = TABLES.read_text()
     if BEGIN not in text or END not in text:
-        raise SystemExit(f"README.md has no results block ({BEGIN} ... {END})")
+        raise SystemExit(f"{TABLES.relative_to(ROOT)} has no block of tables ({BEGIN} ... {END})")
     head, rest = text.split(BEGIN, 1)
-    README.write_text(head + BEGIN + "\n\n" + "\n\n".join(blocks) + "\n\n" + END + rest.split(END, 1)[1])
-    print(f"README.md: results block rewritten from {len(blocks)} tables")
+    TABLES.write_text(head + BEGIN + "\n\n" + "\n\n".join(blocks) + "\n\n" + END + rest.split(END, 1)[1])
+    print(f"{TABLES.relative_to(ROOT)}: {len(blocks)} tables")
+    if speed_figure(RESULTS / "h100"):
+        print(f"{SPEED.relative_to(ROOT)}: drawn")
+
+
+def speed_figure(tag_dir) -> bool:
+    """results/speed.png: each implementation's time per step at the chapter's size and at batch 256, log scale, from
+    a tag's committed results (unsteady rows left out, and said); False where the results are missing."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from common.harness import plots
+
+    presets = [(name, tag_dir / name / "results.json") for name in ("chapter", "large-b256")]
+    if not all(path.exists() for _, path in presets):
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=False)
+    for ax, (name, path) in zip(axes, presets):
+        results = json.loads(path.read_text())
+        rows = [r for r in results["table"] if r["device"] == "cuda" or r["level"] == compare.REFERENCE]
+        steady = [r for r in rows if r["us_per_step"]]
+        labels = [r["level"] for r in steady]
+        palette = plots.colours(labels)
+        ax.barh(range(len(steady)), [r["us_per_step"] for r in steady], color=[palette[label] for label in labels])
+        for i, r in enumerate(steady):
+            ax.text(r["us_per_step"] * 1.05, i, f"{r['us_per_step']:,.1f}", va="center", fontsize=7)
+        ax.set_yticks(range(len(steady)), labels, fontsize=8)
+        ax.invert_yaxis()
+        s = results["settings"]
+        left_out = [r["level"] for r in rows if not r["us_per_step"]]
+        ax.set(xscale="log", xlabel="microseconds per training step (log scale)",
+               title=f"batch {s['batch']}, hidden {s['hidden']}" + (f"\n(unsteady, not shown: {', '.join(left_out)})"
+                                                                    if left_out else ""))
+    gpu = json.loads(presets[0][1].read_text())["machine"].get("gpu", "?")
+    fig.suptitle(f"The MLP, one training step, measured on an {gpu} (make bench; level 1 on the CPU for reference)",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(SPEED, dpi=100)
+    plt.close(fig)
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -180,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--levels", default=None, help="comma-separated level numbers (default: all this machine can run)")
     p.add_argument("--rounds", type=int, default=ROUNDS,
                    help="how many times each row is timed (common.harness.compare --rounds)")
-    p.add_argument("--report", action="store_true", help="only rewrite README.md's results block")
+    p.add_argument("--report", action="store_true", help="only rewrite results/README.md's tables and speed.png")
     args = p.parse_args(argv)
     if args.report:
         report()
