@@ -1,7 +1,7 @@
 """The peers written plainly, apart from the harness: what a PyTorch user writes for speed, in a page of code.
 
-    python -m level1_pytorch.peers --check results/h100/chapter              # a training preset's peer rows
-    python -m level1_pytorch.peers --check results/h100/lenet-inference      # make infer's PyTorch rows
+    python -m common.harness.peers --check results/h100/chapter              # a training preset's peer rows
+    python -m common.harness.peers --check results/h100/lenet-inference      # make infer's PyTorch rows
 
 The harness's peers (peers.py, common/harness/serving.py) are classes that fit the level contract, so that they are verified
 like any level. This file shares none of their code: nn.Sequential networks, a training loop, a CUDA graph captured

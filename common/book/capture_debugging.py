@@ -8,7 +8,7 @@ What it records, each into a text file the level 5 chapter shows:
   racecheck.txt    compute-sanitizer racecheck on a planted race (a __syncthreads removed from a reduction);
   async_error.txt  an illegal address planted in a kernel: where the error surfaces without and with
                    CUDA_LAUNCH_BLOCKING=1;
-  timeline.txt     one training step of level 6 and of level 7 as a timeline of GPU work (torch.profiler):
+  timeline.txt     one training step of levels 5, 6 and 7 as a timeline of GPU work (torch.profiler):
                    each kernel's start, length and the gap before it;
   ncu.txt          Nsight Compute on level 5's naive forward kernel and on cuBLAS's, side by side: sectors per
                    request (coalescing), memory and compute throughput;
@@ -107,11 +107,13 @@ def capture_async_error(folder: Path) -> None:
 
 
 def capture_timeline(folder: Path) -> None:
-    """One step of levels 6 and 7 (batch 8, hidden 256) as GPU work on a time line, from torch.profiler."""
+    """One step of levels 5, 6 and 7 (batch 8, hidden 256) as GPU work on a time line, from torch.profiler: each
+    level's chapter shows its own."""
     import numpy as np
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    import level5_cuda_naive
     import level6_cublas
     import level7_fused
     from common.contract import immutable
@@ -120,7 +122,7 @@ def capture_timeline(folder: Path) -> None:
     rng = np.random.default_rng(0)
     X, y = immutable(rng.standard_normal((64, 784)).astype(np.float32)), immutable(rng.integers(0, 10, 64))
     lines = []
-    for name, cls in (("level6", level6_cublas.MLP), ("level7", level7_fused.MLP)):
+    for name, cls in (("level5", level5_cuda_naive.MLP), ("level6", level6_cublas.MLP), ("level7", level7_fused.MLP)):
         model = cls(init_params(0))
         model.train_epoch(X, y, 8, 0.01)  # warm-up
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -139,7 +141,7 @@ def capture_timeline(folder: Path) -> None:
     nsys = shutil.which("nsys")
     lines.append(f"Nsight Systems: {'found at ' + nsys if nsys else 'not on this machine (torch.profiler reads the same CUPTI timestamps)'}")
     write_capture(folder / "timeline.txt", "\n".join(lines) + "\n",
-                  ["level6_cublas/mlp.cu", "level7_fused/mlp.cu", "common/native/cuda_mlp.cuh"])
+                  [*LEVEL5, "level6_cublas/mlp.cu", "level7_fused/mlp.cu"])
 
 
 def capture_ncu(folder: Path) -> None:

@@ -79,6 +79,28 @@ def read_result(path: str | Path) -> str | None:
     return file.read_text()
 
 
+def capture_part(text: str, start: str) -> str:
+    """The part of a capture that begins at the line starting with `start`, up to the next blank line (one level's
+    timeline) or the next line starting with "---" (one kernel of Nsight Compute's report)."""
+    lines = text.splitlines()
+    begin = next(i for i, line in enumerate(lines) if line.startswith(start))
+    end = next((i for i in range(begin + 1, len(lines)) if not lines[i].strip() or lines[i].startswith("---")),
+               len(lines))
+    return "\n".join(lines[begin:end])
+
+
+def show_capture(path: str | Path, lines: int = 14, part: str | None = None) -> str | None:
+    """Print the first lines of a committed capture (or of its part starting with `part`); return its text."""
+    text = read_result(path)
+    if text is None:
+        return None
+    if part:
+        text = capture_part(text, part)
+    shown = text.splitlines()
+    print("\n".join(shown[:lines]) + (f"\n[... {len(shown) - lines} more lines]" if len(shown) > lines else ""))
+    return text
+
+
 def read_result_json(path: str | Path):
     """A committed results file parsed as JSON; None, saying why, if absent."""
     text = read_result(path)
@@ -160,8 +182,9 @@ def load_results(folder: str | Path) -> dict | None:
     return {**json.loads((folder / "results.json").read_text()), "folder": str(folder)}
 
 
-def show_results(results: dict | str | Path, plots: bool = True) -> None:
-    """Print a run's settings, machine, rules and table; display its free-run and lockstep plots inline."""
+def show_results(results: dict | str | Path, plots: bool = True, rows=None) -> None:
+    """Print a run's settings, machine, rules, how it was timed and its table (rows: the labels to show, default all);
+    display its free-run and lockstep plots inline."""
     from IPython.display import Image, display
 
     if not isinstance(results, dict) and (results := load_results(results)) is None:
@@ -170,13 +193,15 @@ def show_results(results: dict | str | Path, plots: bool = True) -> None:
     gpu = f"{m['gpu']} (driver {m.get('driver', '?')}, CUDA {m.get('cuda_runtime', '?')}) + " if "gpu" in m else ""
     rules = ", ".join(f"{k.replace('_', ' ')} {v:g}" for k, v in results["rules"].items())
     size = f", hidden {s['hidden']}" if "hidden" in s else ""
-    print(f"{'LeNet-5: ' if s.get('model') == 'lenet' else ''}{s['train_size']:,} images x {s['epochs']} epochs, batch {s['batch']}{size}, "
-          f"lr {s['lr']}\n"
-          f"machine: {gpu}{m.get('cpu', '?')}\ndata: {results['data']}\nrules (common/harness/verify.py): {rules}\n")
-    compare.print_table(results["table"])
-    print("\nepoch times, median [fastest, slowest]: " + "; ".join(
-        f"{r['level']} {r['epoch_s_median'] * 1e3:.1f} [{r['epoch_s_spread'][0] * 1e3:.1f}, {r['epoch_s_spread'][1] * 1e3:.1f}] ms"
-        for r in results["table"]))
+    network = "LeNet-5: " if s.get("model") == "lenet" else ""
+    print(f"{network}{s['train_size']:,} images x {s['epochs']} epochs, batch {s['batch']}{size}, lr {s['lr']}\n"
+          f"machine: {gpu}{m.get('cpu', '?')}\ndata: {results['data']}\n"
+          f"rules (common/harness/verify.py): {rules}\n{compare.timing_rule(s.get('rounds', 1))}\n")
+    table = [r for r in results["table"] if rows is None or r["level"] in rows]
+    compare.print_table(table)
+    for r in table:
+        if "written as" in r.get("ran", {}):
+            print(f"  {r['level']}: {r['ran']['written as']}")
     for name in ("loss_curves.png", "lockstep.png") if plots else ():
         if (Path(results["folder"]) / name).exists():
             display(Image(data=screen_png(_note(Path(results["folder"]) / name))))
@@ -237,26 +262,31 @@ def speed_words(ours: float | None, theirs: float | None) -> str:
     return "as fast as"
 
 
-def show_side_by_side(folders: list[str], key: str = "gflops") -> None:
-    """Print one column of several runs' tables side by side (by default GFLOP/s, comparable across sizes)."""
+def show_side_by_side(folders: list[str], key: str = "gflops", rows=None) -> None:
+    """Print one column of several runs' tables side by side (by default GFLOP/s, comparable across sizes); rows: the
+    labels to show (default: every one)."""
     runs = {Path(f).name: r for f in folders if (r := load_results(f))}
     if not runs:
         return
     print(f"{key:<16}" + "".join(f"{name:>14}" for name in runs))
     print(f"{'batch, hidden':<16}" + "".join(f"{r['settings']['batch']:>8}, {r['settings']['hidden']:>4}" for r in runs.values()))
     for label in dict.fromkeys(row["level"] for r in runs.values() for row in r["table"]):
-        rows = [next((row for row in r["table"] if row["level"] == label), None) for r in runs.values()]
-        print(f"{label:<16}" + "".join(f"{row[key]:>14.2f}" if row else f"{'-':>14}" for row in rows))
+        if rows is not None and label not in rows:
+            continue
+        found = [next((row for row in r["table"] if row["level"] == label), None) for r in runs.values()]
+        print(f"{label:<16}" + "".join(f"{row[key]:>14.2f}" if row and row[key] is not None else f"{'-':>14}"
+                                       for row in found))
 
 
-def show_profile(path: str = "results/h100/profile.json") -> None:
-    """Show where a GPU step's time goes (common.harness.bench's profile): GPU busy time, launches, the rest, busiest kernels."""
+def show_profile(path: str = "results/h100/profile.json", rows=None) -> None:
+    """Show where a GPU step's time goes (common.harness.bench's profile): GPU busy time, launches, the rest, busiest
+    kernels; rows: the implementations to show (default: every one)."""
     from IPython.display import Markdown, display
 
     from common.harness.bench import profile_markdown
 
-    if (rows := read_result_json(path)) is not None:
-        display(Markdown(profile_markdown(rows)))
+    if (profile := read_result_json(path)) is not None:
+        display(Markdown(profile_markdown([r for r in profile if rows is None or r["level"] in rows])))
 
 
 def first_relu_split(a, b, X, y, batch: int, lr: float, steps: int) -> tuple[dict | None, np.ndarray]:

@@ -15,7 +15,7 @@ timed, it is checked:
   - its predictions on the whole test set against PyTorch's: a digit may be classified differently only where
     PyTorch's two largest logits are within TIE of each other (a float32 tie, reported).
 Then every row, ours and PyTorch's (eager, the forward captured as a CUDA graph, torch.compile: the fastest forms a
-PyTorch user writes, checked against plain twins by `python -m level1_pytorch.peers --check`), is timed the same way
+PyTorch user writes, checked against plain twins by `python -m common.harness.peers --check`), is timed the same way
 from Python: `calls` calls on the loaded batch, each one forward and a wait for the GPU, by perf_counter; p50 and p99;
 in ROUNDS rounds over the rows. After all the timing, PyTorch's profiler sums the GPU's own time per call. Writes
 results.json and table.md to --out.

@@ -90,3 +90,14 @@ def parse_phases(text: str) -> dict[str, list[tuple[str, float]]]:
             name, value = line.strip()[:-3].rsplit(None, 1)
             current.append((name.strip(), float(value)))
     return sizes
+
+
+def parse_floors(text: str) -> dict[str, tuple[float, float]]:
+    """The table of results/h100/level7_floors.txt: each hand-over ('cluster of 16 blocks', 'grid of 128 blocks', ...)
+    and its (barrier, exchange) microseconds per round."""
+    floors = {}
+    for line in text.splitlines():
+        parts = line.strip().rsplit(None, 2)
+        if len(parts) == 3 and line.strip().startswith(("grid of", "cluster of")):
+            floors[parts[0]] = (float(parts[1]), float(parts[2]))
+    return floors
