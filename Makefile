@@ -12,8 +12,8 @@ CFLAGS  := -O3 -march=native -std=c11 -Wall -Wextra -Wpedantic -Werror -fPIC
 CUDA_ARCH := -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
 NVFLAGS = -O3 -std=c++17 $(CUDA_ARCH) -Xcompiler -fPIC,-Wall,-Wextra -Werror all-warnings --shared
 
-.PHONY: all compare bench infer test test-gpu check-memory check-memory-gpu levels level4 level5 level6 level7 lab grade \
-	gradebook chapters notebooks clean
+.PHONY: all compare bench infer test test-gpu check-memory check-memory-gpu levels level4 level5 level6 level7 level8 lab \
+	grade gradebook chapters notebooks clean
 
 all: compare
 
@@ -100,6 +100,12 @@ level7_fused/libmlp.so: level7_fused/mlp.cu level6_cublas/mlp.cu common/cuda_mlp
 level7_fused/liblenet.so: level7_fused/lenet.cu $(LENET6_SOURCES)
 	$(build_with_cudnn)
 
+# Level 8's GPU backend: level 5's kernels (through its lenet.cu, which includes its mlp.cu) and level 6's cuBLAS.
+level8: level8_framework/libops.so
+level8_framework/libops.so: level8_framework/ops.cu common/ops.h level5_cuda_naive/lenet.cu level5_cuda_naive/mlp.cu \
+		level6_cublas/mlp.cu common/cuda_lenet.cuh common/cuda_mlp.cuh common/lenet.h common/mlp.h common/mlp_status.h
+	$(build_with_cublas)
+
 # Level 7's testing and measuring builds: the race stress (tests/test_levels.py), the phase profile
 # (level7_fused/phases.py), the floors of the exchange (level7_fused/floors.py).
 build/level7_stress.so: NVFLAGS += -DFUSED_STRESS
@@ -132,8 +138,8 @@ build/lab_level7.so: tests/lab_level7.cu level7_fused/mlp.cu level6_cublas/mlp.c
 	@mkdir -p build
 	$(build_with_cublas)
 
-# Every native level this machine can build: level 4 always, 5 to 7 where nvcc is; and the lab's libraries for them.
-levels: level4 $(if $(NVCC),level5 level6 level7)
+# Every native level this machine can build: level 4 always, 5 to 8 where nvcc is; and the lab's libraries for them.
+levels: level4 $(if $(NVCC),level5 level6 level7 level8)
 LAB_LIBS := build/lab_level4.so build/lab_memory $(if $(NVCC),build/lab_level5.so build/lab_level7.so)
 
 # ---- the main job and the tests ----
@@ -156,7 +162,7 @@ test: $(ENV) levels $(LAB_LIBS)
 # On the GPU machine: its own python3 (PyTorch with CUDA), no virtual environment, no network
 # (so not the tests that fetch from PyPI); GPU tests may not skip there.
 test-gpu:
-	$(MAKE) level4 level5 level6 level7 $(LAB_LIBS) PYTHON=python3
+	$(MAKE) level4 level5 level6 level7 level8 $(LAB_LIBS) PYTHON=python3
 	python3 -m pytest --require-gpu -m "not pypi" $(ARGS)
 
 # The level-4 library driven from C under valgrind (leaks, invalid reads and writes) and under ASan + UBSan.
@@ -173,9 +179,10 @@ check-memory: level4
 # and with them the models, which it then reports as leaked at exit. The tests' own memcheck test is left
 # out: it starts a compute-sanitizer of its own, which cannot run inside this one.
 check-memory-gpu:
-	$(MAKE) level5 level6 level7 build/lab_level5.so build/lab_level7.so PYTHON=python3
+	$(MAKE) level5 level6 level7 level8 build/lab_level5.so build/lab_level7.so PYTHON=python3
 	compute-sanitizer --tool memcheck --leak-check full --show-backtrace no --error-exitcode 1 \
-		python3 -m pytest -q --require-gpu -m "(level5 or level6 or level7) and not notebooks" -k "not memcheck" $(ARGS)
+		python3 -m pytest -q --require-gpu -m "(level5 or level6 or level7 or (level8 and gpu)) and not notebooks" \
+		-k "not memcheck" $(ARGS)
 
 # ---- the classroom labs (LABS.md) ----
 # The student edition in lab/: the marked solutions replaced by stubs, a LAB.md per level. Needs python3 and git only.
@@ -202,4 +209,5 @@ notebooks: $(ENV) levels
 	$(VENV)/bin/jupyter lab
 
 clean:
-	rm -rf level4_c/libmlp.so level4_c/liblenet.so level5_cuda_naive/libmlp.so level5_cuda_naive/liblenet.so level6_cublas/libmlp.so level6_cublas/liblenet.so level7_fused/libmlp.so level7_fused/liblenet.so build
+	rm -rf level4_c/libmlp.so level4_c/liblenet.so level5_cuda_naive/libmlp.so level5_cuda_naive/liblenet.so level6_cublas/libmlp.so level6_cublas/liblenet.so level7_fused/libmlp.so level7_fused/liblenet.so \
+		level8_framework/libops.so build

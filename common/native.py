@@ -1,5 +1,6 @@
 """The one Python binding for the native levels (C, naive CUDA, cuBLAS, fused): cffi in ABI mode over common/mlp.h,
-and over its twin for LeNet-5, common/lenet.h.
+and over its twin for LeNet-5, common/lenet.h; and over common/ops.h, the operations of level 8's GPU backend
+(level8_framework/cuda.py).
 
 The declarations are read from the headers themselves (between their cdef markers), so Python cannot
 disagree with C about a signature. Every call is checked: a failing status raises NativeError
@@ -36,7 +37,7 @@ from common.contract import DataCache, DeviceData, check_params, check_training,
 from common.levels import ROOT, Level
 from common.model import N_IN, N_OUT
 
-HEADERS = [Path(__file__).with_name(name) for name in ("mlp.h", "lenet.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("mlp.h", "lenet.h", "ops.h")]
 ffi = FFI()
 for header in HEADERS:
     ffi.cdef(re.search(r"/\* cdef-begin \*/(.*)/\* cdef-end \*/", header.read_text(), re.DOTALL).group(1))
