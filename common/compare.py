@@ -58,13 +58,14 @@ class Run:
 
 
 def runs_for(numbers: list[int], gpu: bool) -> list[tuple[Level, str]]:
-    """(level, device) pairs to train: level 1 on the CPU first (the reference), then on CUDA if there is a GPU."""
+    """(level, device) pairs to train: level 1 on the CPU first (the reference), then on CUDA if there is a GPU; so
+    every level that takes a device (level 8)."""
     pairs = []
     for number in numbers:
         lv = level(number)
         if not lv.trains:
             continue
-        if number == 1:
+        if lv.takes_device:
             pairs.append((lv, "cpu"))
             if gpu:
                 pairs.append((lv, "cuda"))
@@ -74,9 +75,9 @@ def runs_for(numbers: list[int], gpu: bool) -> list[tuple[Level, str]]:
 
 
 def factory(lv: Level, device: str, model: str = "mlp", **options) -> Callable:
-    """params -> a fresh model of the level for a network (level 1 takes its device)."""
+    """params -> a fresh model of the level for a network (levels 1 and 8 take their device)."""
     cls = lv.load(model)
-    return (lambda params: cls(params, device=device, **options)) if lv.number == 1 else cls
+    return (lambda params: cls(params, device=device, **options)) if lv.takes_device else cls
 
 
 def peer_runs(model: str) -> list[Run]:

@@ -27,6 +27,12 @@ class Level:
     needs: tuple[str, ...]
     library: str | None = None  # the MLP's shared library built by `make levelN`, relative to the package
     trains: bool = True  # level 2 is theory: it derives the formulas, it does not train
+    gpu_library: str | None = None  # a level that runs on the CPU and, through this library (`make levelN`), on a GPU
+
+    @property
+    def takes_device(self) -> bool:
+        """Whether its classes take device="cpu" or "cuda": level 1, and a level with a GPU library."""
+        return self.number == 1 or self.gpu_library is not None
 
     @property
     def name(self) -> str:
@@ -60,6 +66,7 @@ LEVELS: tuple[Level, ...] = (
     Level(5, "level5_cuda_naive", "Naive CUDA kernels", ("nvcc", "gpu"), "libmlp.so"),
     Level(6, "level6_cublas", "cuBLAS GEMMs", ("nvcc", "gpu"), "libmlp.so"),
     Level(7, "level7_fused", "One fused persistent kernel", ("nvcc", "gpu"), "libmlp.so"),
+    Level(8, "level8_framework", "A framework of your own", (), gpu_library="libops.so"),
 )
 
 
@@ -84,7 +91,8 @@ def gpu_available() -> bool:
 
 
 def missing(lv: Level, device: str = "cpu", model: str = "mlp") -> list[str]:
-    """Why this machine cannot run the level on `device` for a network (empty when it can); level 1 runs on either."""
+    """Why this machine cannot run the level on `device` for a network (empty when it can); levels that take a device
+    (1, 8) run on either."""
     from common.models import get
 
     why = []
@@ -94,6 +102,8 @@ def missing(lv: Level, device: str = "cpu", model: str = "mlp") -> list[str]:
         why.append("PyTorch is not installed")
     if (path := lv.library_for(model)) and not path.exists():
         why.append(f"{path.relative_to(ROOT)} is not built: run `make level{lv.number}`")
+    if device == "cuda" and lv.gpu_library and not (ROOT / lv.package / lv.gpu_library).exists():
+        why.append(f"{lv.package}/{lv.gpu_library} is not built: run `make level{lv.number}`")
     if ("gpu" in lv.needs or device == "cuda") and not gpu_available():
         why.append("no NVIDIA GPU is visible on this machine")
     return why

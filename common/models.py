@@ -47,10 +47,10 @@ class Model:
 
 
 MODELS: tuple[Model, ...] = (
-    Model("mlp", "the MLP, 784-hidden-10", "common.model", "MLP", (1, 2, 3, 4, 5, 6, 7),
+    Model("mlp", "the MLP, 784-hidden-10", "common.model", "MLP", (1, 2, 3, 4, 5, 6, 7, 8),
           ((4, "libmlp.so"), (5, "libmlp.so"), (6, "libmlp.so"), (7, "libmlp.so")), has_hidden=True,
           step="common.verify:MlpStep", run={"epochs": 10, "train_size": 10_000, "batch": 8, "lr": 0.01}),
-    Model("lenet", "LeNet-5", "common.lenet", "LeNet", (1, 2, 3, 4, 5, 6, 7),
+    Model("lenet", "LeNet-5", "common.lenet", "LeNet", (1, 2, 3, 4, 5, 6, 7, 8),
           ((4, "liblenet.so"), (5, "liblenet.so"), (6, "liblenet.so"), (7, "liblenet.so")), has_hidden=False,
           step="common.lenet_verify:LeNetStep",
           # 1,250 steps: every CPU level trained and verified at each step, 2 to 3 minutes on 2 cores
