@@ -58,8 +58,8 @@ class Run:
 
 
 def runs_for(numbers: list[int], gpu: bool) -> list[tuple[Level, str]]:
-    """(level, device) pairs to train: level 1 on the CPU first (the reference), then on CUDA if there is a GPU; so
-    every level that takes a device (level 8)."""
+    """(level, device) pairs to train: level 1 on the CPU first (the reference), then on CUDA if there is a GPU; a
+    level that takes a device (level 8) likewise."""
     pairs = []
     for number in numbers:
         lv = level(number)

@@ -47,10 +47,6 @@ class DeviceArray:
     def size(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64))
 
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
     def __len__(self) -> int:
         return self.shape[0]
 
