@@ -477,7 +477,7 @@ def test_a_sigmoid_mlp_with_mse_in_lockstep_with_pytorch(fw, device, mnist, opti
     distance, plus one rounding of each parameter, plus FLOOR u of the update for tensors where PyTorch is exact by
     luck). There are no ties (no ReLU): nothing else is allowed."""
     params = init_params(7, 32)
-    X, y = mnist[0][:640], mnist[1][:640]
+    X, y = np.array(mnist[0][:640]), mnist[1][:640]  # a writeable copy: torch.from_numpy warns about read-only ones
     onehot = np.eye(10, dtype=np.float32)[y]
     lr = 0.5 if optimizer == "sgd" else 1e-3
     make = {"sgd": lambda ps: torch.optim.SGD(ps, lr=lr), "adam": lambda ps: torch.optim.Adam(ps, lr=lr)}[optimizer]
