@@ -112,6 +112,12 @@ level7_fused/libmlp.so: level7_fused/mlp.cu level6_cublas/mlp.cu $(CUDA_MLP)
 level7_fused/liblenet.so: level7_fused/lenet.cu $(LENET6_SOURCES)
 	$(build_with_cudnn)
 
+# Level 8's GPU backend: level 5's kernels (through its lenet.cu, which includes its mlp.cu) and level 6's cuBLAS.
+level8: level8_framework/libops.so
+level8_framework/libops.so: level8_framework/ops.cu common/native/ops.h level5_cuda_naive/lenet.cu \
+		level5_cuda_naive/mlp.cu level6_cublas/mlp.cu $(CUDA_LENET)
+	$(build_with_cublas)
+
 # Level 7's testing and measuring builds: the race stress (tests/test_levels.py), the phase profile
 # (common/harness/level7_phases.py), the floors of the exchange (common/harness/level7_floors.py).
 build/level7_stress.so: NVFLAGS += -DFUSED_STRESS

@@ -34,6 +34,12 @@ class Level:
     needs: tuple[str, ...]
     trains: bool = True  # level 2 is theory: it derives the formulas, it does not train
     lab_libraries: tuple[str, ...] = ()  # what the lab's grade builds for this level's tasks (make targets)
+    gpu_library: str | None = None  # a level that runs on the CPU and, through this library (`make levelN`), on a GPU
+
+    @property
+    def takes_device(self) -> bool:
+        """Whether its classes take device="cpu" or "cuda": level 1, and a level with a GPU library."""
+        return self.number == 1 or self.gpu_library is not None
 
     @property
     def name(self) -> str:
@@ -58,6 +64,7 @@ LEVELS: tuple[Level, ...] = (
     Level(5, "level5_cuda_naive", "Naive CUDA kernels", ("nvcc", "gpu"), lab_libraries=("build/lab_level5.so",)),
     Level(6, "level6_cublas", "cuBLAS GEMMs", ("nvcc", "gpu")),
     Level(7, "level7_fused", "One fused persistent kernel", ("nvcc", "gpu"), lab_libraries=("build/lab_level7.so",)),
+    Level(8, "level8_framework", "A framework of your own", (), gpu_library="libops.so"),
 )
 
 
@@ -82,7 +89,8 @@ def gpu_available() -> bool:
 
 
 def missing(lv: Level, device: str = "cpu", network: Network = THE_MLP) -> list[str]:
-    """Why this machine cannot run the level on `device` for a network (empty when it can); level 1 runs on either."""
+    """Why this machine cannot run the level on `device` for a network (empty when it can); levels that take a device
+    (1, 8) run on either."""
     why = []
     if lv.number not in network.levels:
         why.append(f"level {lv.number} does not implement {network.title}")
@@ -90,14 +98,16 @@ def missing(lv: Level, device: str = "cpu", network: Network = THE_MLP) -> list[
         why.append("PyTorch is not installed")
     if (path := lv.library_for(network)) and not path.exists():
         why.append(f"{path.relative_to(ROOT)} is not built: run `make level{lv.number}`")
+    if device == "cuda" and lv.gpu_library and not (ROOT / lv.package / lv.gpu_library).exists():
+        why.append(f"{lv.package}/{lv.gpu_library} is not built: run `make level{lv.number}`")
     if ("gpu" in lv.needs or device == "cuda") and not gpu_available():
         why.append("no NVIDIA GPU is visible on this machine")
     return why
 
 
 def built_by(compiler: str) -> list[Level]:
-    """The native levels a compiler builds ("cc": a C compiler; "nvcc": the CUDA toolkit's)."""
-    return [lv for lv in LEVELS if compiler in lv.needs]
+    """The native levels a compiler builds ("cc": a C compiler; "nvcc": the CUDA toolkit's, a GPU library too)."""
+    return [lv for lv in LEVELS if compiler in lv.needs or (compiler == "nvcc" and lv.gpu_library)]
 
 
 def main(argv: list[str]) -> int:
@@ -107,8 +117,9 @@ def main(argv: list[str]) -> int:
         print(" ".join(lv.name for lv in built_by(tool)))
     elif what == "lab-libraries":
         print(" ".join(target for lv in built_by(tool) for target in lv.lab_libraries))
-    elif what == "markers":
-        print(" or ".join(lv.name for lv in LEVELS if tool in lv.needs))
+    elif what == "markers":  # a level that runs on either device: its GPU tests only
+        print(" or ".join(lv.name if tool in lv.needs else f"({lv.name} and gpu)" for lv in LEVELS
+                          if tool in lv.needs or (tool == "gpu" and lv.gpu_library)))
     else:
         raise SystemExit(f"python -m common.levels: unknown question {what!r} (targets, lab-libraries, markers)")
     return 0

@@ -10,7 +10,7 @@ The benchmark's yardsticks for the GPU levels, measured in the same run (common/
     and PyTorch's fused SGD: the strongest loop a PyTorch user would write.
   - jax-scan: the network in JAX, a whole epoch as one jit-compiled lax.scan (jax_peer.py), where JAX is installed.
 Each implements the level contract (the PyTorch ones are level 1's class with another train_epoch), so the harness
-verifies them like any level before it reports their speed. For each network (common/nets): `peers("lenet")`.
+verifies them like any level before it reports their speed. For each network of common/nets: `peers(get("lenet"))`.
 Their speed is checked against the same loops written plainly, apart from the harness (plain_peers.py):
 
     python -m common.harness.peers --check results/h100/chapter [results/h100/lenet-inference ...]

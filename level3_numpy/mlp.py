@@ -5,7 +5,8 @@ pass (derived in level 2's chapter) and the SGD update are written out with NumP
 vectorized over the batch, as the layer functions below - the very names, order and arguments
 that levels 4-6 use in C and CUDA (outputs first there; here they are returned). Each backward
 function sits next to its forward, and each can be checked against PyTorch on its own (the chapter
-does: "isolate and conquer").
+does: "isolate and conquer"). Two more updates stand beside SGD's: momentum's and Adam's, PyTorch's
+rules written out (level 8's optimizers run them on the CPU).
 
 Run: `python -m common.harness.compare --levels 1,3` or `pytest -m level3`.
 """
@@ -99,6 +100,29 @@ def sgd_momentum_update(params: dict[str, np.ndarray], grads: dict[str, np.ndarr
         velocity[name] += grad
         params[name] -= lr * velocity[name]
     # END LAB
+
+
+def adam_update(params: dict[str, np.ndarray], grads: dict[str, np.ndarray], exp_avg: dict[str, np.ndarray],
+                exp_avg_sq: dict[str, np.ndarray], step: int, lr: float, betas: tuple[float, float] = (0.9, 0.999),
+                eps: float = 1e-8) -> None:
+    """The update of torch.optim.Adam, in place, in its float32 order of operations. Every parameter p, with its
+    gradient g and its moments m and v (exp_avg, exp_avg_sq: same names and shapes as params, zeros before step 1):
+        m = m + (1 - beta1) (g - m)                      m.lerp_(g, 1 - beta1)
+        v = beta2 v + (1 - beta2) g g                    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        p = p - (lr / bc1) m / (sqrt(v) / sqrt(bc2) + eps),   bc1 = 1 - beta1^step, bc2 = 1 - beta2^step
+    at step `step` (1 for the first). The bias corrections and lr / bc1 are float64, as PyTorch's Python computes them;
+    eps is added outside the square root."""
+    beta1, beta2 = betas
+    bias_correction1 = 1 - beta1**step
+    bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+    step_size = np.float32(lr / bias_correction1)
+    for name, grad in grads.items():
+        m, v = exp_avg[name], exp_avg_sq[name]
+        m += np.float32(1 - beta1) * (grad - m)
+        v *= np.float32(beta2)
+        v += np.float32(1 - beta2) * grad * grad
+        denom = np.sqrt(v) / np.float32(bias_correction2_sqrt) + np.float32(eps)
+        params[name] -= step_size * m / denom
 
 
 # ---- the model: the contract every level implements ----

@@ -87,7 +87,7 @@ def factory(impl, request):
     require(lv, device, request.config)
     if sandbox.submission() and lv.number > 1:  # the level is the submission's: its worker makes the models
         return sandbox.model_factory(lv.number, device)
-    return partial(lv.load(), device=device) if lv.number == 1 else lv.load()
+    return partial(lv.load(), device=device) if lv.takes_device else lv.load()
 
 
 def reference(params):

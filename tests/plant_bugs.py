@@ -1,6 +1,6 @@
 """Plant the chapter's classic bugs, one at a time, and show which tests catch each.
 
-    python tests/plant_bugs.py                     # the CPU levels: 1 to 4
+    python tests/plant_bugs.py                     # the CPU levels: 1 to 4, and 8 (its CPU backend)
     python tests/plant_bugs.py --levels 5,6,7 -- --require-gpu   # on the GPU machine; after -- : pytest options
 
 Each bug is a one-line edit applied to a scratch copy of the repository (the working tree is never
@@ -32,6 +32,13 @@ BUGS = [
     (2, "level2_theory/backprop.py", "return da * (h > 0)", "return da * (da > 0)",
      "ReLU mask taken from the wrong tensor"),
     (2, "level2_theory/backprop.py", "dW = dout.T @ x ", "dW = x.T @ dout ", "transposed weight gradient"),
+    # the chain rule automated (level2_theory/autograd.py)
+    (2, "level2_theory/autograd.py", "for node in reversed(order):", "for node in order:",
+     "autograd: the topological order walked the wrong way (parents before the nodes computed from them)"),
+    (2, "level2_theory/autograd.py", "parent.grad += local * node.grad", "parent.grad = local * node.grad",
+     "autograd: a gradient overwritten where a value is used twice"),
+    (2, "level2_theory/autograd.py", "node.grad = 0.0", "node.grad += 0.0",
+     "autograd: the graph's grads not zeroed, so a second backward() adds to the first"),
     (3, "level3_numpy/mlp.py", "return dlogits / len(y)", "return dlogits", "gradients not divided by the batch size"),
     (3, "level3_numpy/mlp.py", "return da * (h > 0)", "return da * (h >= 0)", "ReLU gradient wrong at exactly 0"),
     (3, "level3_numpy/mlp.py", "return da * (h > 0)", "return da * (da > 0)", "ReLU mask taken from the wrong tensor"),
@@ -140,6 +147,21 @@ BUGS = [
      "LeNet: max-pool of the convolution before its ReLU (a window of negatives pools to a negative)"),
     (7, "level7_fused/lenet.cu", "    for (int i = n / 4 * 4 + threadIdx.x; i < n; i += blockDim.x) __pipeline_memcpy_async(dst + i, src + i, 4);\n",
      "", "LeNet: the copy's odd tail dropped (the last two of fc3's biases never reach shared memory)"),
+    # Level 8, the framework (its CPU backend; its optimizers' updates are level 3's)
+    (8, "level8_framework/cpu.py", ("return g.sum(axis=0)", "return g.sum(axis=axes).reshape(shape)"),
+     ("return g[0]", "return g[(0,) * lead].reshape(shape)"),
+     "broadcast backward not summed (the bias gets the first row's gradient)"),
+    (8, "level8_framework/tensor.py", "grads[key] = i.backend.add(grads[key], gi)", "grads[key] = gi",
+     "a gradient overwritten where a tensor is used twice"),
+    (8, "level8_framework/tensor.py", "for t in reversed(order):", "for t in order:",
+     "the topological order walked the wrong way (inputs before the tensors computed from them)"),
+    (8, "level3_numpy/mlp.py", ("bias_correction1 = 1 - beta1**step", "bias_correction2_sqrt = (1 - beta2**step) ** 0.5"),
+     ("bias_correction1 = 1", "bias_correction2_sqrt = 1.0"), "Adam without bias correction"),
+    (8, "level3_numpy/mlp.py", "denom = np.sqrt(v) / np.float32(bias_correction2_sqrt) + np.float32(eps)",
+     "denom = np.sqrt(v + np.float32(eps)) / np.float32(bias_correction2_sqrt)", "Adam's eps inside the square root"),
+    (8, "level8_framework/optim.py", 'buf = state.get("momentum_buffer")', "buf = None",
+     "momentum buffer not carried over (every step a first step)"),
+    (8, "level8_framework/cpu.py", "np.float32(2 / x.size)", "np.float32(2)", "MSE's gradient without its 1/N"),
 ]
 
 
@@ -202,7 +224,7 @@ def crash(stderr: str, signal: int) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--levels", default="1,2,3,4", help="comma-separated levels whose bugs to plant")
+    p.add_argument("--levels", default="1,2,3,4,8", help="comma-separated levels whose bugs to plant")
     p.add_argument("--match", default="", help="only the bugs whose description contains this text")
     p.add_argument("pytest_args", nargs="*", help="passed on to pytest (after --)")
     args = p.parse_args()

@@ -11,7 +11,7 @@ import warnings
 import numpy as np
 import pytest
 
-from common.levels import level
+from common.levels import THE_MLP, level
 from common.nets.mlp import init_params
 from conftest import implementation_params, require
 from test_levels import (
@@ -32,7 +32,7 @@ def peer(request):
 
     if why := missing(request.param):
         pytest.skip(why)
-    return peers("mlp")[request.param]
+    return peers(THE_MLP)[request.param]
 
 
 @pytest.mark.level1

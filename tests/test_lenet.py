@@ -19,8 +19,9 @@ pytestmark = pytest.mark.lenet
 LENET = get("lenet")
 
 # (level, device, variant): level 1 on either device and the benchmark's peers (level1_pytorch/peers.py); levels 4
-# and 5 with each of their two convolutions; level 6 (cuDNN); level 7 (level 6's training, its forward fused).
-GPU1, GPU5, GPU6, GPU7 = ([getattr(pytest.mark, f"level{n}"), pytest.mark.gpu] for n in (1, 5, 6, 7))
+# and 5 with each of their two convolutions; level 6 (cuDNN); level 7 (level 6's training, its forward fused); level 8
+# on either device.
+GPU1, GPU5, GPU6, GPU7, GPU8 = ([getattr(pytest.mark, f"level{n}"), pytest.mark.gpu] for n in (1, 5, 6, 7, 8))
 IMPLEMENTATIONS = [
     pytest.param((1, "cuda", None), marks=GPU1, id="level1-cuda"),
     pytest.param((1, "cuda", "torch-eager"), marks=GPU1, id="torch-eager"),
@@ -34,6 +35,8 @@ IMPLEMENTATIONS = [
     pytest.param((5, "cuda", "tiled"), marks=GPU5, id="level5-tiled"),
     pytest.param((6, "cuda", None), marks=GPU6, id="level6"),
     pytest.param((7, "cuda", None), marks=GPU7, id="level7"),
+    pytest.param((8, "cpu", None), marks=pytest.mark.level8, id="level8-cpu"),
+    pytest.param((8, "cuda", None), marks=GPU8, id="level8-cuda"),
 ]
 
 
@@ -50,6 +53,8 @@ def make(request):
         cls = peers(LENET)[variant] if variant else level(1).load(LENET)
         return lambda params: cls(params, device=device)
     cls = level(number).load(LENET)
+    if level(number).takes_device:
+        return lambda params: cls(params, device=device)
     return (lambda params: cls(params, convolution=variant)) if variant else cls
 
 

@@ -65,13 +65,14 @@ class Run:
 
 
 def runs_for(numbers: list[int], gpu: bool) -> list[tuple[Level, str]]:
-    """(level, device) pairs to train: level 1 on the CPU first (the reference), then on CUDA if there is a GPU."""
+    """(level, device) pairs to train: level 1 on the CPU first (the reference), then on CUDA if there is a GPU; a
+    level that takes a device (level 8) likewise."""
     pairs = []
     for number in numbers:
         lv = level(number)
         if not lv.trains:
             continue
-        if number == 1:
+        if lv.takes_device:
             pairs.append((lv, "cpu"))
             if gpu:
                 pairs.append((lv, "cuda"))
@@ -81,10 +82,10 @@ def runs_for(numbers: list[int], gpu: bool) -> list[tuple[Level, str]]:
 
 
 def factory(lv: Level, device: str, network: Network = THE_MLP, **options) -> Callable:
-    """params -> a fresh model of the level for a network, given every option (a convolution); level 1 also takes
-    its device (the others have one)."""
+    """params -> a fresh model of the level for a network, given every option (a convolution); the levels that run
+    on either device (1, 8) also take their device (the others have one)."""
     cls = lv.load(network)
-    if lv.number == 1:
+    if lv.takes_device:
         return lambda params: cls(params, device=device, **options)
     return lambda params: cls(params, **options)
 

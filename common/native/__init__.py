@@ -1,5 +1,6 @@
-"""The one Python binding for the native levels (C, naive CUDA, cuBLAS, fused): cffi in ABI mode over common/native/mlp.h,
-and over its twin for LeNet-5, common/native/lenet.h.
+"""The one Python binding for the native levels (C, naive CUDA, cuBLAS, fused): cffi in ABI mode over mlp.h, over
+its twin for LeNet-5, lenet.h, and over ops.h, the operations of level 8's GPU backend (level8_framework/cuda.py),
+all three here in common/native.
 
 The declarations are read from the headers themselves (between their cdef markers), so Python cannot
 disagree with C about a signature. Every call is checked: a failing status raises NativeError
@@ -45,7 +46,7 @@ from common.levels import ROOT, THE_MLP, Level
 from common.nets import Network, get, mlp
 from common.nets.mlp import N_IN, N_OUT
 
-HEADERS = [Path(__file__).with_name(name) for name in ("mlp.h", "lenet.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("mlp.h", "lenet.h", "ops.h")]
 ffi = FFI()
 for header in HEADERS:
     ffi.cdef(re.search(r"/\* cdef-begin \*/(.*)/\* cdef-end \*/", header.read_text(), re.DOTALL).group(1))

@@ -62,11 +62,11 @@ class Network:
 PEERS = ("torch-eager", "torch-graph", "torch-compile", "jax-scan")  # every peer, in the tables' order
 
 NETWORKS: tuple[Network, ...] = (
-    Network("mlp", "the MLP, 784-hidden-10", "common.nets.mlp", "MLP", (1, 2, 3, 4, 5, 6, 7),
+    Network("mlp", "the MLP, 784-hidden-10", "common.nets.mlp", "MLP", (1, 2, 3, 4, 5, 6, 7, 8),
             ((4, "libmlp.so"), (5, "libmlp.so"), (6, "libmlp.so"), (7, "libmlp.so")), has_hidden=True,
             step="common.harness.verify:MlpStep", per_layer="common.harness.verify:mlp_per_layer",
             run={"epochs": 10, "train_size": 10_000, "batch": 8, "lr": 0.01}, peers=PEERS),
-    Network("lenet", "LeNet-5", "common.nets.lenet", "LeNet", (1, 2, 3, 4, 5, 6, 7),
+    Network("lenet", "LeNet-5", "common.nets.lenet", "LeNet", (1, 2, 3, 4, 5, 6, 7, 8),
             ((4, "liblenet.so"), (5, "liblenet.so"), (6, "liblenet.so"), (7, "liblenet.so")), has_hidden=False,
             step="common.harness.verify_lenet:LeNetStep", per_layer="common.harness.verify_lenet:per_layer",
             run={"epochs": 2, "train_size": 10_000, "batch": 16, "lr": 0.05}, peers=PEERS,

@@ -1,0 +1,190 @@
+"""Level 8's CPU backend: NumPy arrays, with level 3's layer functions as its kernels.
+
+Every backend has these methods, under the same names (cuda.py's take device arrays). Where level 3 has the layer,
+its function is the kernel itself, imported, so that the framework's MLP computes exactly what level 3's does; the
+rest (a general matmul, broadcasting, sigmoid, MSE, the mean) is written here. A transposed view (w.T) is a NumPy view,
+and matmul reads it in place, as BLAS can.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from level3_numpy import lenet as layers_lenet
+from level3_numpy import mlp as layers
+
+
+def transposed(a: np.ndarray) -> bool:
+    """True for a 2-D view that runs down its columns in memory (w.T of a row-major w)."""
+    return a.ndim == 2 and a.strides[0] < a.strides[1]
+
+
+class NumpyBackend:
+    device = "cpu"
+
+    # ---- memory ----
+
+    @staticmethod
+    def from_numpy(a: np.ndarray) -> np.ndarray:
+        """The backend's own float32 copy of a host array."""
+        return np.array(a, dtype=np.float32)
+
+    @staticmethod
+    def to_numpy(a: np.ndarray) -> np.ndarray:
+        return np.array(a, dtype=np.float32)
+
+    @staticmethod
+    def zeros(shape: tuple[int, ...]) -> np.ndarray:
+        return np.zeros(shape, dtype=np.float32)
+
+    @staticmethod
+    def ones(shape: tuple[int, ...]) -> np.ndarray:
+        return np.ones(shape, dtype=np.float32)
+
+    @staticmethod
+    def copy(a: np.ndarray) -> np.ndarray:
+        return a.copy()
+
+    @staticmethod
+    def assign(a: np.ndarray, values: np.ndarray) -> None:
+        """Overwrite a's values in place (load_state_dict: whoever holds the array sees the new values)."""
+        a[...] = values
+
+    @staticmethod
+    def write(a: np.ndarray, index: int, value: np.ndarray) -> None:
+        """a[index] = value, one value (an epoch's losses, kept where they are until the epoch ends)."""
+        a[index] = value
+
+    # ---- products and shapes ----
+
+    @staticmethod
+    def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return a @ b
+
+    @staticmethod
+    def matmul_backward(g: np.ndarray, a: np.ndarray, b: np.ndarray, need_a: bool, need_b: bool) -> tuple:
+        """(da = g @ b^T, db = a^T @ g), each None where not needed, each in its input's layout: the gradient of a
+        transposed view is computed as its transpose's and viewed back, so that the gradient of w (in x @ w.T) is
+        dout^T @ x, row-major, exactly level 3's linear_backward."""
+        da = db = None
+        if need_a:
+            da = (b @ g.T).T if transposed(a) else g @ b.T
+        if need_b:
+            db = (g.T @ a).T if transposed(b) else a.T @ g
+        return da, db
+
+    @staticmethod
+    def transpose(a: np.ndarray) -> np.ndarray:
+        return a.T
+
+    @staticmethod
+    def reshape(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        return a.reshape(shape)
+
+    @staticmethod
+    def add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return a + b
+
+    @staticmethod
+    def sum_to(g: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        """g summed over the axes a broadcast to g's shape added (leading ones) or stretched (size 1), to `shape`."""
+        if g.shape == shape:
+            return g
+        if len(shape) == 1 and g.ndim == 2 and g.shape[1] == shape[0]:  # a layer's bias: level 3's dout.sum(axis=0)
+            return g.sum(axis=0)
+        lead = g.ndim - len(shape)
+        axes = tuple(range(lead)) + tuple(lead + i for i, n in enumerate(shape) if n == 1 and g.shape[lead + i] != 1)
+        return g.sum(axis=axes).reshape(shape)
+
+    # ---- element-wise layers ----
+
+    relu_forward = staticmethod(layers.relu_forward)
+    relu_backward = staticmethod(layers.relu_backward)
+
+    @staticmethod
+    def sigmoid_forward(h: np.ndarray) -> np.ndarray:
+        """1 / (1 + exp(-h)), computed from exp(-|h|) <= 1, which never overflows."""
+        e = np.exp(-np.abs(h))
+        return np.where(h >= 0, 1 / (1 + e), e / (1 + e))
+
+    @staticmethod
+    def sigmoid_backward(ds: np.ndarray, s: np.ndarray) -> np.ndarray:
+        """dh = ds (1 - s) s, from the output s, in PyTorch's order."""
+        return ds * (1 - s) * s
+
+    # ---- losses and the mean ----
+
+    @staticmethod
+    def labels(target, logits_shape: tuple[int, int]) -> np.ndarray:
+        """Class indices for logits of this shape: an integer array (B,) with values in [0, C)."""
+        y = np.asarray(target)
+        if y.dtype.kind not in "iu":
+            raise TypeError(f"the target must hold integer class indices, got {y.dtype} (tensors are float32: pass the "
+                            "labels as an integer array)")
+        rows, classes = logits_shape
+        if y.shape != (rows,):
+            raise ValueError(f"the target must have shape ({rows},) for logits {logits_shape}, got {y.shape}")
+        if rows and (y.min() < 0 or y.max() >= classes):
+            raise ValueError(f"class indices must be in [0, {classes}), got [{y.min()}, {y.max()}]")
+        return y
+
+    @staticmethod
+    def softmax_xent_forward(logits: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        loss, probs = layers.softmax_xent_forward(logits, y)
+        return np.asarray(loss, dtype=np.float32), probs
+
+    @staticmethod
+    def softmax_xent_backward(probs: np.ndarray, y: np.ndarray, g: np.ndarray) -> np.ndarray:
+        """Level 3's dlogits, times the loss's own gradient g (1 when the loss is the output)."""
+        return layers.softmax_xent_backward(probs, y) * g
+
+    @staticmethod
+    def mse_forward(x: np.ndarray, t: np.ndarray) -> np.ndarray:
+        d = x - t
+        return np.asarray(np.mean(d * d), dtype=np.float32)
+
+    @staticmethod
+    def mse_backward(g: np.ndarray, x: np.ndarray, t: np.ndarray) -> np.ndarray:
+        """dx = (x - t) (2 / N) g, PyTorch's order; N counts every value, as the mean does."""
+        return (x - t) * np.float32(2 / x.size) * g
+
+    @staticmethod
+    def mean(x: np.ndarray) -> np.ndarray:
+        return np.asarray(np.mean(x), dtype=np.float32)
+
+    @staticmethod
+    def mean_backward(g: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        return np.full(shape, g / np.float32(np.prod(shape)), dtype=np.float32)
+
+    # ---- convolution and pooling: level 3's im2col and windows ----
+
+    conv2d_forward = staticmethod(layers_lenet.conv2d_forward)
+    conv2d_backward = staticmethod(layers_lenet.conv2d_backward)
+    maxpool_forward = staticmethod(layers_lenet.maxpool_forward)
+    maxpool_backward = staticmethod(layers_lenet.maxpool_backward)
+
+    # ---- the optimizers' updates, in place: dicts of parameters, gradients and state, as level 3's ----
+
+    sgd_update = staticmethod(layers.sgd_update)
+    sgd_momentum_update = staticmethod(layers.sgd_momentum_update)
+    adam_update = staticmethod(layers.adam_update)
+
+    # ---- a data set, for the level's train_epoch ----
+
+    @staticmethod
+    def dataset(X: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The training set as this backend reads it: NumPy reads X and y in place."""
+        return X, y
+
+    @staticmethod
+    def order(order: np.ndarray) -> np.ndarray:
+        return order
+
+    @staticmethod
+    def batch(data: tuple[np.ndarray, np.ndarray], order: np.ndarray, start: int, rows: int):
+        """Rows order[start : start + rows] of the data set: (x (rows, 784), their labels)."""
+        batch = order[start : start + rows]
+        return data[0][batch], data[1][batch]
+
+
+BACKEND = NumpyBackend()

@@ -1,0 +1,113 @@
+"""Level 8 - a framework of your own, and the MLP written in it.
+
+What this level adds over the others: the network is three lines (mlp below), and its training step is PyTorch's,
+loss.backward() and optimizer.step(), on this course's own framework: tensors and autograd (tensor.py), layers (nn.py),
+optimizers (optim.py), on the CPU through NumPy and level 3's layer functions, on the GPU through level 5's kernels
+and level 6's cuBLAS. The class below keeps the level contract (common/contract/__init__.py), so the harness trains and
+verifies level 8 like any level; device="cuda" runs it on the GPU, optimizer="adam" with Adam.
+
+Run: `python -m common.harness.compare --levels 1,8` or `pytest -m level8`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from common.contract import DataCache, check_params, check_training, check_X, check_y, hidden_size, n_steps
+from common.nets import mlp as model
+from common.nets.mlp import N_IN, N_OUT
+from level8_framework import nn, optim
+from level8_framework.tensor import Tensor, backend_for, from_backend, from_numpy, no_grad
+
+
+def mlp(hidden: int) -> nn.Sequential:
+    """784 -> hidden (ReLU) -> 10, its layers named as level 1's."""
+    return nn.Sequential({"fc1": nn.Linear(N_IN, hidden), "relu": nn.ReLU(), "fc2": nn.Linear(hidden, N_OUT)})
+
+
+OPTIMIZERS = {"sgd": optim.SGD, "adam": optim.Adam}  # the update of train_epoch, at the lr it is given
+
+
+class Model:
+    """The level contract with the framework, for any network: `build` makes its Sequential, `network` names its
+    parameters (the MLP below; LeNet-5 in lenet.py)."""
+
+    network = model  # the module of the network's parameter names and shapes
+
+    def __init__(self, params: dict[str, np.ndarray], device: str = "cpu", optimizer: str = "sgd"):
+        backend = backend_for(device)  # a device this machine cannot run is refused here, with the reason
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {list(OPTIMIZERS)}, got {optimizer!r}")
+        params = check_params(params, network=self.network)
+        self.device, self._backend = device, backend
+        self.net = self.build(params).to(device)
+        self.net.load_state_dict(params)
+        self.loss_fn = nn.CrossEntropyLoss()
+        self.optimizer = OPTIMIZERS[optimizer](self.net.parameters(), lr=0.0)
+        self._data = DataCache(on_gpu=device == "cuda")
+
+    def train_epoch(self, X: np.ndarray, y: np.ndarray, batch_size: int, lr: float, order=None) -> np.ndarray:
+        """One pass over X in `order`, a step per batch: forward, loss, backward, the optimizer's step; returns each
+        step's loss, taken before that step's update."""
+        be = self._backend
+        data = self._data.fetch(X, y, be.dataset)
+        order, batch_size, lr = check_training(len(data[1]), batch_size, lr, order)
+        self.optimizer.lr = float(lr)
+        steps, rows = n_steps(len(order), batch_size), be.order(order)
+        losses = be.zeros((steps,))
+        for step in range(steps):
+            x, target = be.batch(data, rows, step * batch_size, min(batch_size, len(order) - step * batch_size))
+            loss = self.loss_fn(self.forward_tensor(from_backend(x, be)), target)
+            self.optimizer.zero_grad()
+            loss.backward()
+            self.optimizer.step()
+            be.write(losses, step, loss.data)  # on the GPU the losses stay there until the epoch ends
+        return be.to_numpy(losses)
+
+    def loss_and_grads(self, X: np.ndarray, y: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
+        """Mean cross-entropy of one batch and its gradients; parameters unchanged."""
+        X = check_X(X)
+        y = check_y(y, len(X))
+        self.net.zero_grad()
+        loss = self.loss_fn(self.forward_tensor(from_numpy(X).to(self.device)), y)
+        loss.backward()
+        grads = {name: p.grad.numpy() for name, p in self.net.named_parameters()}
+        self.net.zero_grad()
+        return loss.item(), grads
+
+    def forward(self, X: np.ndarray) -> np.ndarray:
+        """Logits (N, 10)."""
+        with no_grad():
+            return self.forward_tensor(from_numpy(check_X(X)).to(self.device)).numpy()
+
+    def forward_tensor(self, x: Tensor) -> Tensor:
+        """The network on a batch x (B, 784) already on the model's device."""
+        return self.net(x)
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """float32 copies of the parameters, PyTorch's names and layouts."""
+        return {name: p.numpy() for name, p in self.net.named_parameters()}
+
+    def load_state_dict(self, params: dict[str, np.ndarray]) -> None:
+        """Replace the parameters (same sizes); the optimizer keeps working on them."""
+        self.net.load_state_dict(check_params(params, self.hidden, network=self.network))
+
+    def build(self, params: dict[str, np.ndarray]) -> nn.Module:
+        """The network, for these parameters' sizes."""
+        raise NotImplementedError
+
+    @property
+    def hidden(self) -> int | None:
+        """The hidden size, for a network that has one."""
+        return None
+
+
+class MLP(Model):
+    """The MLP: 784 -> hidden (ReLU) -> 10."""
+
+    def build(self, params: dict[str, np.ndarray]) -> nn.Module:
+        return mlp(hidden_size(params))
+
+    @property
+    def hidden(self) -> int:
+        return self.net.fc1.weight.shape[0]
