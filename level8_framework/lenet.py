@@ -1,8 +1,7 @@
 """Level 8 for the second network: LeNet-5 (common/nets/lenet.py) written in the framework.
 
 The network is one Sequential of PyTorch's layers, each named as level 1's modules are (common/nets/lenet.py's
-ACTIVATIONS); the level contract is mlp.py's Model, and layers() gives every layer's output and gradient, through
-retain_grad(), for the verifier's per-layer check.
+ACTIVATIONS); the level contract is mlp.py's Model, layers() included.
 
 Run: `python -m common.harness.compare --model lenet --levels 1,8` or `pytest -m "lenet and level8"`.
 """
@@ -11,11 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from common.contract import check_X, check_y
 from common.nets import lenet as network
 from level8_framework import nn
 from level8_framework.mlp import Model
-from level8_framework.tensor import Tensor, from_numpy
+from level8_framework.tensor import Tensor
 
 
 def lenet() -> nn.Sequential:
@@ -37,23 +35,9 @@ class LeNet(Model):
     def build(self, params: dict[str, np.ndarray]) -> nn.Module:
         return lenet()
 
-    def forward_tensor(self, x: Tensor) -> Tensor:
-        """The network on images x (B, 784), viewed as (B, 1, 28, 28)."""
-        return self.net(x.reshape(-1, 1, network.IMAGE, network.IMAGE))
+    def as_input(self, x: Tensor) -> Tensor:
+        """Images x (B, 784) viewed as (B, 1, 28, 28)."""
+        return x.reshape(-1, 1, network.IMAGE, network.IMAGE)
 
-    def layers(self, X: np.ndarray, y: np.ndarray) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-        """Every layer's output for a batch, and the gradient of the batch's mean loss with respect to each; the
-        parameters unchanged."""
-        X = check_X(X)
-        y = check_y(y, len(X))
-        a = from_numpy(X).to(self.device).reshape(-1, 1, network.IMAGE, network.IMAGE)
-        kept = {}
-        for name, layer in self.net.named_children():
-            a = layer(a)
-            if name in network.ACTIVATIONS:
-                a.retain_grad()
-                kept[name] = a
-        self.net.zero_grad()
-        self.loss_fn(a, y).backward()
-        self.net.zero_grad()
-        return {k: t.numpy() for k, t in kept.items()}, {k: t.grad.numpy() for k, t in kept.items()}
+    def activations(self) -> tuple[str, ...]:
+        return tuple(network.ACTIVATIONS)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from common.contract import DataCache, check_params, check_training, check_X, check_y, hidden_size, n_steps
-from common.nets import mlp as model
+from common.nets import mlp as mlp_network
 from common.nets.mlp import N_IN, N_OUT
 from level8_framework import nn, optim
 from level8_framework.tensor import Tensor, backend_for, from_backend, from_numpy, no_grad
@@ -22,7 +22,7 @@ from level8_framework.tensor import Tensor, backend_for, from_backend, from_nump
 
 def mlp(hidden: int) -> nn.Sequential:
     """784 -> hidden (ReLU) -> 10, its layers named as level 1's."""
-    return nn.Sequential({"fc1": nn.Linear(N_IN, hidden), "relu": nn.ReLU(), "fc2": nn.Linear(hidden, N_OUT)})
+    return nn.Sequential({"fc1": nn.Linear(N_IN, hidden), "relu1": nn.ReLU(), "fc2": nn.Linear(hidden, N_OUT)})
 
 
 OPTIMIZERS = {"sgd": optim.SGD, "adam": optim.Adam}  # the update of train_epoch, at the lr it is given
@@ -32,7 +32,7 @@ class Model:
     """The level contract with the framework, for any network: `build` makes its Sequential, `network` names its
     parameters (the MLP below; LeNet-5 in lenet.py)."""
 
-    network = model  # the module of the network's parameter names and shapes
+    network = mlp_network  # the module of the network's parameter names and shapes
 
     def __init__(self, params: dict[str, np.ndarray], device: str = "cpu", optimizer: str = "sgd"):
         backend = backend_for(device)  # a device this machine cannot run is refused here, with the reason
@@ -82,7 +82,32 @@ class Model:
 
     def forward_tensor(self, x: Tensor) -> Tensor:
         """The network on a batch x (B, 784) already on the model's device."""
-        return self.net(x)
+        return self.net(self.as_input(x))
+
+    def as_input(self, x: Tensor) -> Tensor:
+        """A batch x (B, 784) as the network's first layer reads it."""
+        return x
+
+    def layers(self, X: np.ndarray, y: np.ndarray) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """Every layer's output for a batch, and the gradient of the batch's mean loss with respect to each (kept by
+        retain_grad, as in PyTorch); the parameters unchanged."""
+        X = check_X(X)
+        y = check_y(y, len(X))
+        kept: dict[str, Tensor] = {}
+        a = self.as_input(from_numpy(X).to(self.device))
+        for name, layer in self.net.named_children():
+            a = layer(a)
+            if name in self.activations():
+                a.retain_grad()
+                kept[name] = a
+        self.net.zero_grad()
+        self.loss_fn(a, y).backward()
+        self.net.zero_grad()
+        return {k: t.numpy() for k, t in kept.items()}, {k: t.grad.numpy() for k, t in kept.items()}
+
+    def activations(self) -> tuple[str, ...]:
+        """The names of the layers whose outputs layers() returns, in order."""
+        return tuple(mlp_network.activations(self.hidden))
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """float32 copies of the parameters, PyTorch's names and layouts."""

@@ -134,11 +134,11 @@ def test_every_layer_matches_float64_from_its_own_inputs(make, trained, digits, 
     assert set(shares) >= set(verify_lenet.FORWARD) and max(shares.values()) <= 1
 
 
-# JAX misses the lockstep rule on LeNet-5: XLA's autotuner picks, for conv1's weight gradient, cuDNN algorithms whose
-# float32 error is ~10 times the allowance (H100, jax 0.11: 4.1e-6 from the float64 step where level 1's is 5.6e-8 and
-# 4.1e-7 is allowed). With the autotuner off it passes (0.15 of the allowance), 2 to 4 times slower. Strict: a JAX that
-# passes fails this test, and the note goes.
-JAX_MISSES = pytest.mark.xfail(reason="XLA's autotuned cuDNN filter-gradient algorithm (see above)", strict=True)
+# JAX may miss the lockstep rule on LeNet-5: XLA's autotuner picks, for conv1's weight gradient, among cuDNN algorithms,
+# timing them in the process that compiles, and some of them carry about ten times the float32 error the rule allows.
+# Which one it picks changes from run to run (on the H100 this test has both passed and failed), so the mark is not
+# strict; the harness reports a peer's failed check with its reason, and its exit status is the levels'.
+JAX_MISSES = pytest.mark.xfail(reason="XLA's autotuned cuDNN filter-gradient algorithm (see above)", strict=False)
 
 
 @pytest.mark.parametrize("impl", [pytest.param(p.values[0], marks=[*p.marks, JAX_MISSES], id=p.id)
