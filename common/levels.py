@@ -83,8 +83,9 @@ def gpu_available() -> bool:
         return bool(smi) and subprocess.run([smi, "-L"], capture_output=True).returncode == 0
 
 
-def missing(lv: Level, device: str = "cpu", model: str = "mlp") -> list[str]:
-    """Why this machine cannot run the level on `device` for a network (empty when it can); level 1 runs on either."""
+def missing(lv: Level, device: str = "cpu", model: str = "mlp", built: bool = True) -> list[str]:
+    """Why this machine cannot run the level on `device` for a network (empty when it can); level 1 runs on either.
+    built: whether its library must be built here."""
     from common.models import get
 
     why = []
@@ -92,7 +93,7 @@ def missing(lv: Level, device: str = "cpu", model: str = "mlp") -> list[str]:
         why.append(f"level {lv.number} does not implement {get(model).title}")
     if "torch" in lv.needs and importlib.util.find_spec("torch") is None:
         why.append("PyTorch is not installed")
-    if (path := lv.library_for(model)) and not path.exists():
+    if built and (path := lv.library_for(model)) and not path.exists():
         why.append(f"{path.relative_to(ROOT)} is not built: run `make level{lv.number}`")
     if ("gpu" in lv.needs or device == "cuda") and not gpu_available():
         why.append("no NVIDIA GPU is visible on this machine")
