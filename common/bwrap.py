@@ -12,9 +12,10 @@ cleared environment; memory, processes, file sizes and time are limited. When it
 ends every other process of it: nothing it starts outlives it. PyTorch, JAX, SciPy, a BLAS: none is there to import.
 
 Inside, a bootstrap of a few lines (BOOT) sets the limits and, where the grade runs as root, leaves root for an
-unprivileged user (the kernel's process limit does not apply to root) before any student code runs. A worker also
-cannot start processes at all: a seccomp filter lets it start threads only. With --trust-submissions (a teacher
-grading their own code), the same commands run without the sandbox (TRUST_ENV).
+unprivileged user of its own (the kernel's process limit does not apply to root, and counts a user's processes in
+all sandboxes at once) before any student code runs. A worker also cannot start processes at all: a seccomp filter
+lets it start threads only. With --trust-submissions (a teacher grading their own code), the same commands run
+without the sandbox (TRUST_ENV).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from pathlib import Path
 TRUST_ENV = "LAB_TRUST_SUBMISSIONS"  # "1": run the students' code without the sandbox (their own code, the teacher's)
 FOLDER = "/lab"  # where the sandbox sees the folder it works in
 PACKAGES = "/lab-python"  # where it sees the Python packages a task may use
-NOBODY = 65534  # the user a student's code runs as where the grade runs as root
+USERS = 1 << 30  # where the grade runs as root, each sandbox runs a student's code as a user of its own from here on
 VERDICT_ENV = "LAB_VERDICT_FD"  # the descriptor on which a checking program writes its verdict (run(verdict=True))
 INSTALL = ("the classroom's grade runs students' code only inside bubblewrap: install it (Debian and Ubuntu: "
            "`sudo apt-get install bubblewrap`; Fedora: `sudo dnf install bubblewrap`), or, to grade code you trust "
@@ -101,8 +102,8 @@ def describe() -> str:
                 "and the bans were static checks only.")
     return "\n".join([
         f"Each submission's code ran in {version()} (bwrap): no network, its own processes, a read-only system "
-        "without PyTorch or other installed packages, none of this repository's files, no other submission, and "
-        + ("an unprivileged user (uid 65534)." if os.geteuid() == 0 else "no capability."),
+        "without PyTorch or other installed packages, none of this repository's files, no other submission, no "
+        "capability" + (", and an unprivileged user of each sandbox's own." if os.geteuid() == 0 else "."),
         f"- its worker: {WORKER.describe()} (on a GPU: {GPU_WORKER.describe()})",
         f"- a build: {BUILD.describe()}; the memory check: {PROGRAM.describe()}",
     ])
@@ -119,8 +120,8 @@ for name, value in config["limits"].items():
     resource.setrlimit(getattr(resource, name), (value, value))
 if config["leave_root"] and os.getuid() == 0:
     os.setgroups([])
-    os.setgid(config["nobody"])
-    os.setuid(config["nobody"])
+    os.setgid(config["user"])
+    os.setuid(config["user"])
     try:
         os.setuid(0)
     except PermissionError:
@@ -278,7 +279,7 @@ class _Config:
 def _python_path(config: _Config) -> list[str]:
     """Where the worker imports from: the folder's modules first, then the allowed packages."""
     if trusted():
-        return [str(config.folder), *sorted({str(p.parent) for p in packages(config.cuda).values()})]
+        return [str(config.folder), *sorted({str(p.parent) for p in packages(config.cuda or config.gpu).values()})]
     return [FOLDER, PACKAGES]
 
 
@@ -289,16 +290,28 @@ def _inner(config: _Config, leave_root: bool) -> list[str]:
     if config.limits.memory:
         limits["RLIMIT_AS"] = config.limits.memory
     chdir = (str(config.folder) if config.folder else "/") if trusted() else FOLDER
-    boot = {"limits": limits, "leave_root": leave_root, "nobody": NOBODY, "chdir": chdir, "worker": config.worker,
+    boot = {"limits": limits, "leave_root": leave_root, "user": _a_user(), "chdir": chdir, "worker": config.worker,
             "path": _python_path(config)}
     return [str(interpreter()), "-I", "-S", "-B", "-c", BOOT, json.dumps(boot), *config.argv]
+
+
+_made = 0  # sandboxes this process has made
+
+
+def _a_user() -> int:
+    """A user id of the sandbox's own, which no other sandbox running at the same time has: by this process's id and
+    a count of its sandboxes (a sandbox ends before 256 more have started)."""
+    global _made
+    _made += 1
+    return USERS + ((os.getpid() & 0x3FFFFF) << 8) + _made % 256
 
 
 def _environment(config: _Config) -> dict[str, str]:
     """The sandbox's whole environment: nothing of the grader's but the GPU's selection."""
     toolkit = _toolkit() if config.cuda else None
     path = ([str(toolkit / "bin")] if toolkit else []) + ["/usr/local/bin", "/usr/bin", "/bin"]
-    env = {"PATH": ":".join(path), "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
+    env = {"PATH": ":".join(path), "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1",
+           "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}  # one thread each: the grades run side by side
     if config.gpu:
         env.update({k: os.environ[k] for k in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER") if k in os.environ})
     return {**env, **(config.env or {})}
@@ -340,7 +353,8 @@ def _command(config: _Config, info_fd: int, seccomp_fd: int | None) -> list[str]
 
 class Sandbox:
     """A program running in its sandbox: its output on one pipe (self.output), and stop() ends it with every process
-    of its PID namespace."""
+    of its PID namespace. Where the grade runs as root, the student's code runs as another user: its folder must be
+    readable by all."""
 
     def __init__(self, argv: list[str], folder: Path | None, limits: Limits, *, writable: bool = False,
                  gpu: bool = False, cuda: bool = False, env: dict[str, str] | None = None, worker: bool = False,

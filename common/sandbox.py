@@ -154,6 +154,9 @@ class Worker:
             self.sandbox = bwrap.Sandbox([str(requests), str(answers)], self.folder,
                                          bwrap.GPU_WORKER if self.gpu else bwrap.WORKER, gpu=self.gpu, worker=True,
                                          pass_fds=(requests, answers))
+        except BaseException:
+            os.close(to_worker), os.close(from_worker)
+            raise
         finally:
             os.close(requests), os.close(answers)
         self.writer, self.reader = to_worker, from_worker
