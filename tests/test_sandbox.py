@@ -113,6 +113,13 @@ def oversized():
 def stop_reading():
     sys.modules["common.sandbox"].receive = lambda stream: time.sleep(3600)
     return 0
+def linear_forward(x, w, b):  # zeroes its inputs: right, if its check computed the answer from them afterwards
+    x[:], w[:] = 0, 0
+    return b + 0 * x[:, :1]
+def sgd_update(params, grads, lr):
+    for name in params:
+        params[name] -= lr * grads[name]
+        grads[name][:] = 0
 """
 
 
@@ -156,6 +163,17 @@ def test_an_answer_has_a_deadline_and_a_size(hostile_worker):
     namespace = hostile_worker.sandbox.namespace if hostile_worker.sandbox else None
     hostile_worker.stop()
     assert namespace is None or not [pid for pid in bwrap._pids() if bwrap._namespace(pid) == namespace]
+
+
+def test_a_call_changes_only_the_arguments_its_task_updates(hostile_worker):
+    """What a function does to its arguments stays in the worker, but the updates its task is for (sgd_update's
+    params): a function cannot change the inputs its check computes the right answer from."""
+    x, w, b = np.ones((2, 3), np.float32), np.ones((4, 3), np.float32), np.ones(4, np.float32)
+    out = sandbox._call(hostile_worker, "call", (x, w, b), {}, 5, module="hostile", name="linear_forward")
+    assert out.shape == (2, 4) and x.sum() == 6 and w.sum() == 12
+    params, grads = {"w": np.ones(3, np.float32)}, {"w": np.ones(3, np.float32)}
+    sandbox._call(hostile_worker, "call", (params, grads, np.float32(0.5)), {}, 5, module="hostile", name="sgd_update")
+    assert params["w"].tolist() == [0.5] * 3 and grads["w"].tolist() == [1] * 3
 
 
 # Level 4 with a leak, and code that runs at load and at exit to pass the memory check anyway: it prints the verdict
