@@ -119,7 +119,7 @@ config = json.loads(sys.argv[1])
 for name, value in config["limits"].items():
     resource.setrlimit(getattr(resource, name), (value, value))
 if config["leave_root"] and os.getuid() == 0:
-    os.setgroups([])
+    os.setgroups(config["groups"])
     os.setgid(config["user"])
     os.setuid(config["user"])
     try:
@@ -230,10 +230,13 @@ def _system(args: _Args, devices: bool, toolkit: bool) -> None:
     for folder in _site_packages():  # an empty, read-only folder over each
         args.args += ["--tmpfs", str(folder), "--remount-ro", str(folder)]
     args.args += ["--proc", "/proc", "--dev", "/dev"]
-    if devices:  # the GPU: its device files, and the driver's view of the machine
+    if devices:  # the GPU: its device files, the driver's view of the machine, the driver where it is elsewhere
         for device in sorted(glob.glob("/dev/nvidia*")):
             args.args += ["--dev-bind", device, device]
         args.bind(Path("/sys"), Path("/sys"))
+        for folder in _driver_folders():
+            if not any(Path(folder).resolve().is_relative_to(p) for p in ("/usr", "/lib", "/lib64")):
+                args.bind(Path(folder).resolve(), Path(folder))
 
 
 def _seccomp_threads_only() -> bytes:
@@ -291,7 +294,7 @@ def _inner(config: _Config, leave_root: bool) -> list[str]:
         limits["RLIMIT_AS"] = config.limits.memory
     chdir = (str(config.folder) if config.folder else "/") if trusted() else FOLDER
     boot = {"limits": limits, "leave_root": leave_root, "user": _a_user(), "chdir": chdir, "worker": config.worker,
-            "path": _python_path(config)}
+            "path": _python_path(config), "groups": _device_groups() if config.gpu else []}
     return [str(interpreter()), "-I", "-S", "-B", "-c", BOOT, json.dumps(boot), *config.argv]
 
 
@@ -306,6 +309,20 @@ def _a_user() -> int:
     return USERS + ((os.getpid() & 0x3FFFFF) << 8) + _made % 256
 
 
+def _device_groups() -> list[int]:
+    """The groups of the GPU's device files that others may not open (a machine may keep them to a group, `video`):
+    a sandbox's user belongs to those groups only."""
+    groups = {os.stat(device).st_gid for device in glob.glob("/dev/nvidia*") if not os.stat(device).st_mode & 0o006}
+    return sorted(groups)
+
+
+def _driver_folders() -> list[str]:
+    """The folders of this process's LD_LIBRARY_PATH that hold the CUDA driver (libcuda), where a container may put
+    it instead of a system folder."""
+    return [f for f in os.environ.get("LD_LIBRARY_PATH", "").split(":")
+            if f.startswith("/") and glob.glob(f"{f}/libcuda.so*")]
+
+
 def _environment(config: _Config) -> dict[str, str]:
     """The sandbox's whole environment: nothing of the grader's but the GPU's selection."""
     toolkit = _toolkit() if config.cuda else None
@@ -314,6 +331,8 @@ def _environment(config: _Config) -> dict[str, str]:
            "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}  # one thread each: the grades run side by side
     if config.gpu:
         env.update({k: os.environ[k] for k in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER") if k in os.environ})
+        if folders := _driver_folders():
+            env["LD_LIBRARY_PATH"] = ":".join(folders)
     return {**env, **(config.env or {})}
 
 
@@ -401,7 +420,7 @@ class Sandbox:
 
     def stop(self, close: bool = True, grace: float = 0) -> int | None:
         """End it and every process it started, after grace seconds for it to end by itself; its exit status (None
-        when it had to be ended). close: its output pipe too (a reader of its own closes it after reading to the end)."""
+        when it had to be ended). close: its output pipe too (a reader of its own closes it after reading it all)."""
         try:
             code = self.process.wait(timeout=grace) if grace else self.process.poll()
         except subprocess.TimeoutExpired:

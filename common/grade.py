@@ -13,8 +13,9 @@ student edition does not contain. A task that needs others is checked only once 
 GPU tasks on a machine without an NVIDIA GPU are "needs GPU": not graded here, and not failed.
 
 With --submission, the submission's code runs only in bubblewrap sandboxes (common/bwrap.py): its builds, its memory
-check and the worker that answers the checks (common/sandbox.py); every verdict is computed here, from its outputs. The exit status is 0 only when every attempted task passes (--strict: every task;
---require-gpu: GPU tasks that cannot run here fail).
+check and the worker that answers the checks (common/sandbox.py); every verdict is computed here, from its outputs.
+The exit status is 0 only when every attempted task passes (--strict: every task; --require-gpu: GPU tasks that
+cannot run here fail).
 """
 
 from __future__ import annotations
