@@ -63,8 +63,8 @@ class Limits:
         return f"{memory}, {spawn}, files up to {self.file >> 20} MiB, {self.disk >> 20} MiB of /tmp"
 
 
-WORKER = Limits(memory=6 << 30, processes=256, file=64 << 20, disk=256 << 20, spawn=False)
-GPU_WORKER = Limits(memory=None, processes=256, file=64 << 20, disk=256 << 20, spawn=False)  # the driver maps more
+WORKER = Limits(memory=6 << 30, processes=64, file=64 << 20, disk=256 << 20, spawn=False)
+GPU_WORKER = Limits(memory=None, processes=64, file=64 << 20, disk=256 << 20, spawn=False)  # the driver maps more
 PROGRAM = Limits(memory=None, processes=64, file=64 << 20, disk=256 << 20)  # the memory check: ASan reserves terabytes
 BUILD = Limits(memory=16 << 30, processes=512, file=256 << 20, disk=2 << 30, student=False)  # compilers only
 READER = Limits(memory=2 << 30, processes=16, file=64 << 20, disk=64 << 20, student=False)  # git, on a submission

@@ -106,10 +106,11 @@ HOSTILE = {
                          "            pass\n"),
     # PyTorch through builtins, past the static check, from wherever an installed copy might be.
     "torch through builtins": ("    import builtins, sys\n"
-                               "    sys.path += ['/usr/lib/python3/dist-packages', '/usr/local/lib/python3/dist-packages', "
-                               f"{str(ROOT / '.venv' / 'lib')!r}]\n"
+                               "    sys.path += ['/usr/lib/python3/dist-packages', "
+                               f"'/usr/local/lib/python3/dist-packages', {str(ROOT / '.venv' / 'lib')!r}]\n"
                                "    t = getattr(builtins, '__imp' + 'ort__')('tor' + 'ch')\n"
-                               "    return t.nn.functional.linear(t.from_numpy(x), t.from_numpy(w), t.from_numpy(b)).numpy()\n"),
+                               "    return t.nn.functional.linear(t.from_numpy(x), t.from_numpy(w), "
+                               "t.from_numpy(b)).numpy()\n"),
     # Breaks every other student's copy it can find, above the folders it sees.
     "sabotages the others": ("    import pathlib\n"
                              "    roots = {pathlib.Path(line.split()[3]) for line in open('/proc/self/mountinfo')}\n"
@@ -177,9 +178,9 @@ def log_link(folder: Path) -> None:
     """Correct code that prints a great deal, beside a worker.log linked to the held-out checks (where the grader
     once appended the worker's output), and LeNet's file linked to the teacher's solutions."""
     (folder / "level3_numpy").mkdir(parents=True)
-    text = (ROOT / LEVEL3).read_text().replace("    # BEGIN LAB 3.1 linear_forward\n", "    # BEGIN LAB 3.1 linear_forward\n"
-                                               "    print('def test_planted():\\n    pass\\n' * 1000)\n", 1)
-    (folder / LEVEL3).write_text(text)
+    begin = "    # BEGIN LAB 3.1 linear_forward\n"
+    noise = "    print('def test_planted():\\n    pass\\n' * 1000)\n"
+    (folder / LEVEL3).write_text((ROOT / LEVEL3).read_text().replace(begin, begin + noise, 1))
     (folder / "worker.log").symlink_to(ROOT / "tests" / "test_holdout.py")
     (folder / "level3_numpy" / "lenet.py").symlink_to(ROOT / "level3_numpy" / "lenet.py")
 

@@ -1,5 +1,5 @@
-"""The classroom's sandbox, piece by piece (common/bwrap.py, common/sandbox.py, common/gradebook.py's intake, the rules of
-common/lab.py for a task's C and CUDA code): what a sandbox holds and what it refuses, that nothing outlives it, the
+"""The classroom's sandbox, piece by piece (common/bwrap.py, common/sandbox.py, common/gradebook.py's intake, the rules
+of common/lab.py for a task's C and CUDA code): what a sandbox holds and what it refuses, that nothing outlives it, the
 limits of the worker's protocol, a memory check's verdict that the checked program cannot forge, submissions taken
 without following anything. tests/test_labs.py grades a whole class of hostile submissions with all of it.
 """
