@@ -82,6 +82,7 @@ def decode(data: bytes) -> Any:
 
 
 def _decode(data: bytes) -> Any:
+    """decode()'s work: the JSON structure, then each array from the body behind it."""
     (n,) = struct.unpack("<Q", data[:8])
     if n > len(data) - 8:
         raise WorkerError("an answer's header is longer than the answer")
