@@ -34,7 +34,11 @@ $(VENV)/.installed: pyproject.toml
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q torch==2.13.0 || $(VENV)/bin/pip install -q torch
 	$(VENV)/bin/pip install -q -e '.[test]'
-	@# nvcc without the toolkit's cuBLAS and cuDNN (as in CI): their wheels (cuDNN's: about 520 MB), so level 6 builds.
+	touch $@
+
+# nvcc without the toolkit's cuBLAS and cuDNN (as in CI): their wheels (cuDNN's: about 520 MB), so that levels 6 and 7
+# build; installed only by the targets that build those levels.
+$(VENV)/.cuda-installed: $(VENV)/.installed
 	if [ -n "$(NVCC)" ] && [ ! -f "$(CUDA_HOME)/include/cublas_v2.h" ]; then $(VENV)/bin/pip install -q -e '.[cublas]'; fi
 	if [ -n "$(NVCC)" ] && [ ! -f "$(CUDA_HOME)/include/cudnn.h" ]; then $(VENV)/bin/pip install -q -e '.[cudnn]'; fi
 	touch $@
@@ -111,6 +115,9 @@ level7_fused/libmlp.so: level7_fused/mlp.cu level6_cublas/mlp.cu $(CUDA_MLP)
 	$(build_with_cublas)
 level7_fused/liblenet.so: level7_fused/lenet.cu $(LENET6_SOURCES)
 	$(build_with_cudnn)
+# Everything that links cuBLAS: after its wheel where the toolkit lacks it.
+level6_cublas/libmlp.so level6_cublas/liblenet.so level7_fused/libmlp.so level7_fused/liblenet.so \
+	build/level7_stress.so build/level7_phases.so build/level7_floors.so build/lab_level7.so: | $(CUDA_ENV)
 
 # Level 8's GPU backend: level 5's kernels (through its lenet.cu, which includes its mlp.cu) and level 6's cuBLAS.
 level8: level8_framework/libops.so
@@ -152,6 +159,9 @@ levels: $(CC_LEVELS) $(NVCC_LEVELS)
 # ---- the main job and the tests ----
 # With PYTHON=python3 (the GPU machine) the targets use that interpreter as it is, without the venv.
 ENV := $(if $(filter $(VENV)/bin/python,$(PYTHON)),$(VENV)/.installed)
+CUDA_ENV := $(if $(ENV),$(VENV)/.cuda-installed)
+# What a grade of LEVEL needs: the CUDA libraries' wheels only for levels 6 and 7 (or every level).
+GRADE_ENV := $(ENV) $(if $(filter 1 2 3 4 5,$(LEVEL)),,$(CUDA_ENV))
 
 compare: $(ENV) levels
 	$(PYTHON) -m common.harness.compare $(ARGS)
@@ -197,17 +207,19 @@ lab:
 
 # Grade every attempted task: one table, grade.json. LEVEL=4 grades one level, TASK=4.2 one task; ARGS=-v shows why
 # each check fails.
-grade: $(ENV)
+grade: $(GRADE_ENV)
 	$(PYTHON) -m common.classroom.grade $(if $(LEVEL),--level $(LEVEL)) $(if $(TASK),--task $(TASK)) $(ARGS)
 
 # The chapters executed and committed with their outputs (common/book/make.py): those whose outputs are stale, on this
 # machine, the GPU levels' ones only where there is a GPU. ARGS=--all re-makes every one; ARGS=--check only lists.
 chapters: $(ENV) levels
-	$(PYTHON) -m common.book $(ARGS)
+	$(PYTHON) -m common.book.make $(ARGS)
 
-# A class's grades (LABS.md): every submission in SUBMISSIONS (one folder per student) graded in isolation, in parallel,
-# with the held-out checks; one CSV, a summary and a plot in gradebook/. JOBS=n at once, LEVEL=n one level.
-gradebook: $(ENV) levels
+# A class's grades (LABS.md): every submission in SUBMISSIONS (one folder per student) graded in parallel, each in
+# bubblewrap sandboxes (it refuses to run without bwrap; ARGS=--trust-submissions for your own code), with the
+# held-out checks; one CSV, a summary and a plot in gradebook/. JOBS=n at once, LEVEL=n one level (and only what it
+# needs: each submission is built in its own sandbox, none of this repository's levels).
+gradebook: $(GRADE_ENV)
 	@[ -n "$(SUBMISSIONS)" ] || { echo "usage: make gradebook SUBMISSIONS=folder (one folder per student)"; exit 1; }
 	$(PYTHON) -m common.classroom.gradebook $(SUBMISSIONS) $(if $(JOBS),--jobs $(JOBS)) $(if $(LEVEL),--level $(LEVEL)) $(ARGS)
 

@@ -88,17 +88,17 @@ def gpu_available() -> bool:
         return bool(smi) and subprocess.run([smi, "-L"], capture_output=True).returncode == 0
 
 
-def missing(lv: Level, device: str = "cpu", network: Network = THE_MLP) -> list[str]:
+def missing(lv: Level, device: str = "cpu", network: Network = THE_MLP, built: bool = True) -> list[str]:
     """Why this machine cannot run the level on `device` for a network (empty when it can); levels that take a device
-    (1, 8) run on either."""
+    (1, 8) run on either. built: whether its libraries must be built here (a submission's are built in its sandbox)."""
     why = []
     if lv.number not in network.levels:
         why.append(f"level {lv.number} does not implement {network.title}")
     if "torch" in lv.needs and importlib.util.find_spec("torch") is None:
         why.append("PyTorch is not installed")
-    if (path := lv.library_for(network)) and not path.exists():
+    if built and (path := lv.library_for(network)) and not path.exists():
         why.append(f"{path.relative_to(ROOT)} is not built: run `make level{lv.number}`")
-    if device == "cuda" and lv.gpu_library and not (ROOT / lv.package / lv.gpu_library).exists():
+    if built and device == "cuda" and lv.gpu_library and not (ROOT / lv.package / lv.gpu_library).exists():
         why.append(f"{lv.package}/{lv.gpu_library} is not built: run `make level{lv.number}`")
     if ("gpu" in lv.needs or device == "cuda") and not gpu_available():
         why.append("no NVIDIA GPU is visible on this machine")

@@ -16,12 +16,14 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from common.classroom import lab
+from common.classroom import bwrap, lab
 from common.levels import ROOT, gpu_available
 from plant_bugs import BUGS, apply, scratch_copy
 
@@ -240,7 +242,7 @@ def test_the_editions_cpu_chapters_run_with_the_stubs_filled_in(edition, tmp_pat
         shutil.copy(ROOT / name, copy / name)
     make = run_in(copy, "make", "-s", "level4", f"PYTHON={sys.executable}")
     assert make.returncode == 0, make.stderr[-2000:]
-    script = ("import json, sys\nfrom common.book import make as book\n"
+    script = ("import json, sys\nfrom common.book.make import make as book\n"
               "for path in sys.argv[1:]:\n"
               "    notebook = book.execute(book.ROOT / path)\n"
               "    print(json.dumps([o.get('text', '') for c in notebook.cells if c.cell_type == 'code' "
@@ -379,66 +381,176 @@ def test_the_workers_answers_carry_numbers_and_never_code():
         encode({"code": print})
 
 
+def fingerprint() -> dict[str, object]:
+    """This repository, byte for byte (links as links, build outputs and caches included), and the list of its
+    environment's and data's files with their sizes and times: what no submission may change."""
+    found: dict[str, object] = {}
+    for folder, dirs, files in os.walk(ROOT):
+        for name in dirs + files:
+            path = Path(folder) / name
+            key = str(path.relative_to(ROOT))
+            found[key] = os.readlink(path) if path.is_symlink() else path.read_bytes() if path.is_file() else "dir"
+    for linked in (ROOT / ".venv", ROOT / "data"):
+        for folder, _, files in os.walk(linked, followlinks=True):
+            for name in files:
+                info = (Path(folder) / name).lstat()
+                found[f"{folder}/{name}"] = (info.st_size, info.st_mtime_ns)
+    return found
+
+
+def processes() -> dict[int, tuple[str, str, int]]:
+    """Every live process: (its command line, its name, its user)."""
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            status = Path(f"/proc/{pid}/status").read_text()
+            if "\nState:\tZ" not in status:
+                uid = int(re.search(r"\nUid:\t(\d+)", status)[1])
+                found[int(pid)] = (cmdline, Path(f"/proc/{pid}/comm").read_text().strip(), uid)
+        except OSError:
+            pass
+    return found
+
+
+def snapshot(folder: Path) -> dict[str, object]:
+    """A folder's files as they are (links as their targets, never followed)."""
+    return {str(p.relative_to(folder)): os.readlink(p) if p.is_symlink() else p.read_bytes()
+            for p in folder.rglob("*") if p.is_symlink() or p.is_file()}
+
+
 @pytest.fixture(scope="module")
 def gradebook(tmp_path_factory):
-    """The gradebook of a small class of level 3 (tests/lab_submissions.py): correct, stubbed, a planted bug, and
-    each hostile kind; its students' kinds, its CSV rows by student, and this repository's files before it ran."""
+    """The gradebook of a class (tests/lab_submissions.py): a correct submission of levels 3 and 4, a stubbed one, two
+    planted bugs, and one of each hostile kind; its students' kinds, its CSV rows by student, and what
+    is to be checked around it: this repository before and after, the submissions before, the processes before and
+    after, its own scratch folder, its output folder."""
     shipped()
+    if why := bwrap.problem():
+        pytest.skip(why)
     import lab_submissions
 
     folder = tmp_path_factory.mktemp("class")
-    kinds = lab_submissions.write(folder / "subs", 4, levels=(3,))  # correct, stubbed and two planted bugs
+    subs, scratch = folder / "subs", folder / "scratch"
+    kinds = lab_submissions.write(subs, 4, levels=(3,))  # correct, stubbed and two planted bugs
+    correct = next(student for student, kind in kinds.items() if kind == "correct")
+    for name in lab.files_to_write():  # level 4 too
+        if name.startswith("level4"):
+            (subs / correct / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(ROOT / name, subs / correct / name)
     for i, kind in enumerate(lab_submissions.HOSTILE):
-        student = folder / "subs" / f"hostile{i}"
+        student = subs / f"hostile{i:02d}"
         (student / "level3_numpy").mkdir(parents=True)
         (student / "level3_numpy" / "mlp.py").write_text(lab_submissions.hostile(kind))
         kinds[student.name] = f"hostile: {kind}"
-    before = {name: (ROOT / name).read_bytes() for name in shipped() if name.startswith("tests/")}
-    before_subs = {p: p.read_bytes() for p in (folder / "subs").rglob("*") if p.is_file()}
-    run = subprocess.run([sys.executable, "-m", "common.classroom.gradebook", str(folder / "subs"), "--out",
-                          str(folder / "book"), "--level", "3", "--jobs", "2", "--timeout", "600"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=1500, env={**os.environ, "LAB_CALL_TIMEOUT_S": "20"})
+    for i, (kind, make) in enumerate(lab_submissions.FOLDERS.items()):
+        make(subs / f"special{i}")
+        kinds[f"special{i}"] = f"hostile: {kind}"
+    scratch.mkdir()
+    before, before_subs, running = fingerprint(), snapshot(subs), processes()
+    env = {**os.environ, "LAB_CALL_TIMEOUT_S": "20", "TMPDIR": str(scratch), "PYTHONDONTWRITEBYTECODE": "1"}
+    start = time.perf_counter()
+    run = subprocess.run([sys.executable, "-m", "common.classroom.gradebook", str(subs), "--out", str(folder / "book"),
+                          "--jobs", "2", "--timeout", "600"], cwd=ROOT, capture_output=True, text=True, timeout=1500,
+                         env=env)
+    seconds = time.perf_counter() - start
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    left = {pid: p for pid, p in processes().items() if pid not in running}
+    time.sleep(2)  # a daemon's writes would land by now
     rows = {}
     with (folder / "book" / "grades.csv").open() as f:
         for row in csv.DictReader(f):
             rows.setdefault(row["student"], {})[row["task"]] = row
-    return kinds, rows, before, before_subs, folder
+    return {"kinds": kinds, "rows": rows, "before": before, "before_subs": before_subs, "subs": subs,
+            "running": running, "left": left, "scratch": scratch, "book": folder / "book", "seconds": seconds}
+
+
+def statuses(grade: dict, level: int) -> dict[str, str]:
+    return {task: t["status"] for task, t in grade.items() if lab.task(task).level == level}
+
+
+def honest(level: int, passing: set[str] = frozenset(), failing: set[str] = frozenset()) -> dict[str, str]:
+    """A level's statuses for a submission of one file of it whose code is correct but where failing fail: "pass"
+    for its file's tasks (the level's row too, when all pass), "blocked" where one fails, else "not attempted"."""
+    expected = {t.id: "FAIL" if t.id in failing else "pass" if t.path in passing else "not attempted"
+                for t in lab.TASKS if t.level == level}
+    row = lab.level_row(level)
+    if all(expected[n] != "not attempted" for n in row.needs):
+        expected[row.id] = "pass" if all(expected[n] == "pass" for n in row.needs) else "blocked"
+    for t in lab.TASKS:  # a task whose needs fail is blocked
+        if t.level == level and t.path and any(expected[n] == "FAIL" for n in t.needs) and expected[t.id] != "FAIL":
+            expected[t.id] = "blocked"
+    return expected
+
+
+MLP3 = "level3_numpy/mlp.py"
 
 
 def test_the_gradebook_grades_each_kind_of_submission(gradebook):
-    kinds, rows, _, _, folder = gradebook
+    """Each submission gets what its honest code earns: every hostile one's attack fails, and costs it no more than
+    the calls it broke."""
+    kinds, rows = gradebook["kinds"], gradebook["rows"]
     by_kind = {kind: rows[student] for student, kind in kinds.items()}
     assert set(rows) == set(kinds)
-    assert all(t["status"] == "pass" for t in by_kind["correct"].values())
+    correct = by_kind["correct"]  # levels 3 and 4
+    assert {task for task, t in correct.items() if t["status"] == "pass"} == {t.id for t in lab.TASKS
+                                                                             if t.level in (3, 4)}
     assert all(t["status"] == "not attempted" for t in by_kind["stubbed"].values())
     for kind, grade in by_kind.items():
-        failed = {task for task, t in grade.items() if t["status"] == "FAIL"}
         if kind.startswith("bug: "):
-            assert failed, f"{kind} passed"
-        if kind.startswith("hostile: ") and kind not in ("hostile: uses torch", "hostile: deletes"):
-            assert failed == {"3.1"}, (kind, grade)  # each breaks linear_forward, gets zero for it, and no more
-    torch = by_kind["hostile: uses torch"]  # the whole file is refused, and the level's row waits for it; the
-    # level's other file (LeNet's) is a stub there
-    refused = lab.task("3.1").path
-    assert {task: t["status"] for task, t in torch.items()} == {
-        t.id: "blocked" if t.path is None else "FAIL" if t.path == refused else "not attempted"
-        for t in lab.TASKS if t.level == 3}
-    deletes = by_kind["hostile: deletes"]  # it deleted its own copy only
-    assert {t["status"] for t in deletes.values()} <= {"pass", "FAIL", "blocked", "not attempted"}
-    assert "uses torch" in by_kind["hostile: uses torch"]["3.1"]["note"]
-    assert "no answer after 20 s" in by_kind["hostile: hangs"]["3.1"]["note"]
-    assert "held_out" in by_kind["hostile: fits the visible checks"]["3.1"]["note"]  # the visible checks pass it
-    summary = (folder / "book" / "summary.md").read_text()
-    assert "| 3.1 | linear_forward |" in summary and (folder / "book" / "summary.png").stat().st_size > 0
+            assert any(t["status"] == "FAIL" for t in grade.values()), f"{kind} passed"
+    fails_3_1 = ("hangs", "crashes", "forges", "snoops", "fits the visible checks", "unmounts", "stalls an answer",
+                 "oversized answer", "torch through builtins")
+    passes = ("deletes", "daemon", "sabotages the others", "floods /tmp", "log link")
+    for kind in fails_3_1:
+        assert statuses(by_kind[f"hostile: {kind}"], 3) == honest(3, {MLP3}, {"3.1"}), kind
+    for kind in passes:
+        assert statuses(by_kind[f"hostile: {kind}"], 3) == honest(3, {MLP3}), kind
+    torch = by_kind["hostile: uses torch"]  # the whole file is refused; the level's other file (LeNet's) is absent
+    assert statuses(torch, 3) == honest(3, {MLP3}, {t.id for t in lab.TASKS if t.path == MLP3})
+    for kind in ("git file", "git alternates"):  # nothing taken from another repository
+        grade = by_kind[f"hostile: {kind}"]
+        assert {t["status"] for t in grade.values()} == {"not attempted"}, kind
+        assert "git" in grade["3.1"]["note"], grade["3.1"]["note"]
+    forge = by_kind["hostile: C forge"]  # its leak fails 4.8, `system (` 4.3; its code at load and exit is not taken
+    level4 = honest(4, {"level4_c/mlp.c"}, {"4.3", "4.8"})
+    assert statuses(forge, 4) == level4 and set(statuses(forge, 3).values()) == {"not attempted"}
+    assert "LeakSanitizer" in forge["4.8"]["note"] and "calls system" in forge["4.3"]["note"]
+    notes = {kind: by_kind[f"hostile: {kind}"]["3.1"]["note"] for kind in fails_3_1}
+    assert "uses torch" in torch["3.1"]["note"]
+    assert all("no complete answer after 20 s" in notes[kind] for kind in ("hangs", "stalls an answer"))
+    assert "announced an answer of 3,221,225,472 bytes" in notes["oversized answer"]
+    assert "torch is not available" in notes["torch through builtins"]
+    assert "held_out" in notes["fits the visible checks"]  # the visible checks pass it
+    assert "a link" in by_kind["hostile: log link"]["3.10"]["note"]  # LeNet's file, a link to the solutions
+    summary = (gradebook["book"] / "summary.md").read_text()
+    assert "| 3.1 | linear_forward |" in summary and (gradebook["book"] / "summary.png").stat().st_size > 0
+    assert bwrap.version() in summary and "6 GiB of memory" in summary and "20 s per call" in summary
 
 
-@pytest.mark.skipif(not __import__("common.classroom.sandbox", fromlist=["sandbox"]).namespaces_work(),
-                    reason="this machine allows no user namespace: the worker cannot be kept from the grader's files")
 def test_the_gradebook_keeps_the_graders_files_and_the_other_submissions_safe(gradebook):
-    _, _, before, before_subs, _ = gradebook
-    assert all((ROOT / name).read_bytes() == data for name, data in before.items())  # the held-out checks included
-    assert all(path.read_bytes() == data for path, data in before_subs.items())
+    """This repository (the held-out checks, its environment) and every submission are as they were; the grades are
+    the grader's (a daemon's rewrite would have landed); no process of the class is left; nothing stays in /tmp."""
+    after = fingerprint()
+    changed = [name for name in gradebook["before"].keys() | after.keys()
+               if gradebook["before"].get(name) != after.get(name)]
+    assert not changed, changed[:10]
+    assert snapshot(gradebook["subs"]) == gradebook["before_subs"]
+    with (gradebook["book"] / "grades.csv").open() as f:
+        assert sum(1 for _ in csv.DictReader(f)) == len(gradebook["kinds"]) * len(lab.TASKS)
+    left = [p for p in gradebook["left"].values()  # a sandbox, a grade, a daemon, or a sandbox's user (as root)
+            if str(gradebook["scratch"]) in p[0] or p[1] == "lab-daemon" or (os.geteuid() == 0 and p[2] >= bwrap.USERS)]
+    assert not left, left
+    assert not list(gradebook["scratch"].glob("gradebook-*"))  # the gradebook's copies are gone
+    assert not list(Path(tempfile.gettempdir()).glob("lab-flood-*")) and not Path("/tmp/lab-pwned").exists()
+
+
+def test_a_class_of_ten_attacks_grades_in_bounded_time(gradebook):
+    """The whole class, every attack included, within the time its deadlines bound: each hostile submission costs at
+    most one call's deadline (20 s here) on top of its honest code's grade."""
+    attacks = sum(kind.startswith("hostile: ") for kind in gradebook["kinds"].values())
+    assert attacks >= 10
+    assert gradebook["seconds"] < 1200, gradebook["seconds"]
 
 
 def test_a_fitted_solution_passes_the_visible_checks_only(edition, tmp_path):

@@ -12,9 +12,10 @@ student edition does not contain. A task that needs others is checked only once 
 "blocked". A task whose code imports PyTorch (or another library that would do its work) fails with that reason.
 GPU tasks on a machine without an NVIDIA GPU are "needs GPU": not graded here, and not failed.
 
-With --submission, the submission's code runs only in a sandboxed worker (common/classroom/sandbox.py) and every verdict is
-computed here, from its outputs. The exit status is 0 only when every attempted task passes (--strict: every task;
---require-gpu: GPU tasks that cannot run here fail).
+With --submission, the submission's code runs only in bubblewrap sandboxes (common/classroom/bwrap.py): its builds, its memory
+check and the worker that answers the checks (common/classroom/sandbox.py); every verdict is computed here, from its outputs.
+The exit status is 0 only when every attempted task passes (--strict: every task; --require-gpu: GPU tasks that
+cannot run here fail).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.classroom import lab, sandbox
+from common.classroom import bwrap, lab, sandbox
 from common.classroom.lab import Task
 from common.levels import LEVELS, ROOT, gpu_available, level
 
@@ -229,8 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-v", "--verbose", action="store_true", help="show pytest's report: each failing check and why")
     p.add_argument("--require-gpu", action="store_true", help="fail GPU tasks that cannot run here")
     p.add_argument("--submission", type=Path,
-                   help="grade this folder as a teacher does: a copy of the edition with a student's files in it, whose "
-                        "code runs only in a sandboxed worker (common/classroom/gradebook.py makes the copy)")
+                   help="grade this folder as a teacher does: a copy of the edition with a student's code in it, which "
+                        "runs only in bubblewrap sandboxes (common/classroom/gradebook.py makes the copy)")
+    p.add_argument("--trust-submissions", action="store_true",
+                   help="with --submission: run its code without a sandbox (only for code you trust: your own)")
     p.add_argument("--strict", action="store_true",
                    help="exit 0 only when every selected task passes, not attempted ones too (for autograders that "
                         "award a test's points on exit status 0)")
@@ -243,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.submission:
         root = args.submission.resolve()
         os.environ[sandbox.ENV] = str(root)
+        if args.trust_submissions:
+            os.environ[bwrap.TRUST_ENV] = "1"
+        elif not bwrap.trusted() and (why := bwrap.problem()):
+            raise SystemExit(f"grade --submission: {why}")
     try:
         results = prepare(with_needs(selected), root)
         check(results, args.verbose, ["--require-gpu"] if args.require_gpu else [])

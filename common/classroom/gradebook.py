@@ -1,82 +1,161 @@
-"""A class's grades in one command: every submission graded in isolation, one CSV, a summary and a plot (LABS.md).
+"""A class's grades in one command: every submission graded in its own sandbox, one CSV, a summary and a plot
+(LABS.md).
 
     make gradebook SUBMISSIONS=dir [JOBS=2] [LEVEL=3]
-    python -m common.classroom.gradebook dir [--out gradebook] [--jobs 2] [--level 3] [--timeout 1800]
+    python -m common.classroom.gradebook dir [--out gradebook] [--jobs 2] [--level 3] [--timeout 1800] [--trust-submissions]
 
 `dir` holds one folder per student (named for the student): a copy of their edition, or a clone of their
-repository. Only the files a student writes in (python -m common.classroom.lab --files) are taken from it, without following
-links, into a fresh copy of the edition made here; the checks are this repository's, the held-out ones included.
-Each submission is graded by `python -m common.classroom.grade --submission` in a process of its own, several at once, with
-a time limit for the whole grade and one per call of the student's code (common/classroom/sandbox.py), whose worker cannot
-see this repository, the other submissions or the grades. A submission that hangs, crashes or breaks things gets
-zero for what it broke, and the gradebook goes on.
+repository. Of each, only the code between the markers of the files a student writes in (python -m common.classroom.lab
+--files) is taken, into a fresh copy of the edition made here: plain files, opened without following any link, or,
+where the working tree lacks one, the file of the repository's last commit, which git reads in a sandbox holding
+that repository and nothing else. The checks are this repository's, the held-out ones included. Each submission is
+graded by `python -m common.classroom.grade --submission` in a process of its own, several at once, with a time limit for the
+whole grade; every piece of its code runs in a bubblewrap sandbox (common/classroom/bwrap.py, common/classroom/sandbox.py) that sees
+its own copy and nothing else of this machine. A submission that hangs, crashes or attacks gets zero for what it
+broke, and the gradebook goes on. Without bubblewrap it refuses to run, unless --trust-submissions.
 
-Writes to --out: grades.csv (student, task, name, points, max_points, status, note), summary.md (the score
-distribution and each task's pass rate), summary.png, and each student's grade as json/<student>.json.
+Writes to --out, after every grade has ended: grades.csv (student, task, name, points, max_points, status, note),
+summary.md (the score distribution, each task's pass rate, and what protected the grades), summary.png, and each
+student's grade as json/<student>.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import errno
+import io
 import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from common.classroom import lab, sandbox
+from common.classroom import bwrap, lab, sandbox
 from common.levels import ROOT
 
 MAX_FILE_BYTES = 4 << 20  # a student's source file larger than this is not taken (and the task is not attempted)
+GIT_ENV = {"GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null", "GIT_NO_REPLACE_OBJECTS": "1",
+           "GIT_ATTR_NOSYSTEM": "1", "GIT_TERMINAL_PROMPT": "0"}
+# A repository's own configuration may name programs to run: none runs, and its owner need not be this user.
+GIT_OPTIONS = ["-c", "safe.directory=*", "-c", "core.fsmonitor=false", "-c", "core.hooksPath=/dev/null"]
 
 
-def student_files(submission: Path) -> dict[str, bytes]:
-    """The files a student writes in, from their folder or, where the working tree lacks one, their repository's
-    last commit; links are not followed (a link could point at the grader's files)."""
-    found = {}
-    for name in lab.files_to_write():
-        path = submission / name
-        if path.is_file() and not path.is_symlink() and not any(p.is_symlink() for p in path.parents
-                                                                 if p.is_relative_to(submission)):
-            data = path.read_bytes()
-        elif (submission / ".git").exists():
-            run = subprocess.run(["git", "-C", str(submission), "show", f"HEAD:{name}"], capture_output=True,
-                                 timeout=60)
-            data = run.stdout if run.returncode == 0 else None
-        else:
-            data = None
-        if data is not None and len(data) <= MAX_FILE_BYTES:
-            found[name] = data
+def plain_file(folder: Path, name: str) -> bytes | str | None:
+    """The file `name` under folder, as bytes; None where there is none; why it is not taken where it is not a plain
+    file of its own (a link, in a linked folder, a hard link, a device, a pipe) or is too large. No link is followed:
+    every folder on the way and the file are opened with O_NOFOLLOW, and the file is what was looked at."""
+    *folders, last = name.split("/")
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as e:
+        return f"its folder cannot be opened ({e.strerror})"
+    try:
+        for part in folders:
+            fd, parent = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd), fd
+            os.close(parent)
+        seen = os.stat(last, dir_fd=fd, follow_symlinks=False)
+        if not stat.S_ISREG(seen.st_mode):
+            return "a link, or not a plain file: not followed" if stat.S_ISLNK(seen.st_mode) else "not a plain file"
+        file = os.open(last, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY, dir_fd=fd)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return "in a linked folder: not followed" if e.errno in (errno.ELOOP, errno.ENOTDIR) else e.strerror
+    finally:
+        os.close(fd)
+    try:
+        info = os.fstat(file)
+        if (info.st_ino, info.st_dev) != (seen.st_ino, seen.st_dev) or not stat.S_ISREG(info.st_mode):
+            return "changed while it was read: not taken"
+        if info.st_nlink > 1:
+            return "a hard link (the same file as another): not taken"
+        data = os.read(file, MAX_FILE_BYTES + 1)
+    finally:
+        os.close(file)
+    return data if len(data) <= MAX_FILE_BYTES else f"larger than {MAX_FILE_BYTES >> 20} MiB: not taken"
+
+
+def committed_files(submission: Path) -> dict[str, bytes] | str:
+    """The files of the last commit of a submission's repository: git reads its .git folder in a sandbox that holds
+    that folder and nothing else of this machine, so that nothing in it (a gitdir or an alternates file pointing at
+    another repository, hooks, configuration) reaches past it. A .git that is a file or a link is not read."""
+    git = submission / ".git"
+    if git.is_symlink() or not git.is_dir():
+        return "its .git is a file or a link, which could name another repository: not read" if git.is_symlink() or \
+            git.exists() else {}
+    where = str(git.resolve()) if bwrap.trusted() else "/repository"
+    ran = bwrap.run(["git", *GIT_OPTIONS, f"--git-dir={where}", "archive", "--format=tar", "HEAD"], None, bwrap.READER,
+                    120, env=GIT_ENV, mounts=((git, "/repository"),), limit=256 << 20, stderr=False)
+    if ran.status != 0 or ran.overflowed:
+        return f"git could not read its last commit (exit status {ran.status}{', over 256 MiB' * ran.overflowed})"
+    wanted, found = set(lab.files_to_write()), {}
+    try:
+        with tarfile.open(fileobj=io.BytesIO(ran.output), mode="r:") as tar:
+            for member in tar:
+                if member.name in wanted and member.isreg() and member.size <= MAX_FILE_BYTES:
+                    found.setdefault(member.name, tar.extractfile(member).read())
+    except (tarfile.TarError, EOFError, OSError) as e:
+        return f"its last commit could not be read ({e})"
     return found
 
 
-def sandbox_for(edition: Path, submission: Path, work: Path) -> Path:
-    """A fresh copy of the edition with the student's files in it: what the student's code runs in."""
+def student_files(submission: Path) -> tuple[dict[str, bytes], dict[str, str]]:
+    """The files a student writes in, from their folder or, where its working tree lacks one, their repository's last
+    commit; and, by file, why one was not taken."""
+    found, notes, committed = {}, {}, None
+    for name in lab.files_to_write():
+        data = plain_file(submission, name)
+        if data is None:
+            committed = committed_files(submission) if committed is None else committed
+            data = committed.get(name) if isinstance(committed, dict) else committed
+        if isinstance(data, bytes):
+            found[name] = data
+        elif data is not None:
+            notes[name] = f"{name}: {data}"
+    return found, notes
+
+
+def sandbox_for(edition: Path, submission: Path, work: Path) -> tuple[Path, dict[str, str]]:
+    """A fresh copy of the edition with the student's code in it (the code between the markers of each file: the rest
+    is the edition's), and why any file was not taken. What the student's code runs in, and sees at /lab."""
     folder = work / submission.name
     shutil.copytree(edition, folder, symlinks=True)
-    for name, data in student_files(submission).items():
-        (folder / name).write_bytes(data)
-    return folder
+    files, notes = student_files(submission)
+    for name, data in files.items():
+        try:
+            text = data.decode()
+        except UnicodeDecodeError:
+            notes[name] = f"{name}: not UTF-8 text: not taken"
+            continue
+        spliced, problems = lab.splice(text, (edition / name).read_text(), lab.language(name))
+        (folder / name).write_text(spliced)
+        if problems:
+            notes[name] = f"{name}: {'; '.join(problems)}"
+    for path in (folder, *folder.rglob("*")):  # the sandbox's user reads it (where the grade runs as root)
+        if not path.is_symlink():
+            path.chmod(0o755 if path.is_dir() else 0o644)
+    return folder, notes
 
 
-def grade_one(folder: Path, out: Path, level: int | None, timeout: float, hidden: list[Path]) -> dict:
+def grade_one(folder: Path, out: Path, level: int | None, timeout: float) -> dict:
     """One submission's grade, by common.classroom.grade in a process of its own; on a time-out or a crash, zero for all."""
     json_path = out / "json" / f"{folder.name}.json"
     command = [sys.executable, "-m", "common.classroom.grade", "--submission", str(folder), "--json", str(json_path)]
     command += ["--level", str(level)] if level is not None else []
-    env = {**os.environ, sandbox.HIDE_ENV: os.pathsep.join(map(str, hidden))}
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                start_new_session=True)
     try:
         output = process.communicate(timeout=timeout)[0].decode(errors="replace")
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        os.killpg(process.pid, signal.SIGKILL)  # its sandboxes end with it (bwrap --die-with-parent)
         process.wait()
         return failed(level, f"the grade took longer than {timeout:.0f} s and was stopped")
     (out / "logs" / f"{folder.name}.txt").write_text(output)
@@ -129,27 +208,38 @@ def summary(grades: dict[str, dict]) -> str:
 
 
 def plot(grades: dict[str, dict], path: Path) -> None:
-    """The score distribution and each task's pass rate."""
+    """The score distribution and the pass rate of each task graded here (one ungraded everywhere is left out, not
+    drawn as 0%)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8), gridspec_kw={"width_ratios": [1, 2]})
     left.hist([g["score"] for g in grades.values()], bins=20, color="#1f77b4")
+    left.yaxis.set_major_locator(MaxNLocator(integer=True))  # a count of students
     left.set(xlabel="score", ylabel="students", title="Scores")
-    ids = [t.id for t in lab.TASKS]
-    rates = []
-    for task_id in ids:
-        statuses = [x["status"] for g in grades.values() for x in g["tasks"] if x["id"] == task_id]
+    ids, rates = [], []
+    for t in lab.TASKS:
+        statuses = [x["status"] for g in grades.values() for x in g["tasks"] if x["id"] == t.id]
         graded = [s for s in statuses if s != "needs GPU"]
-        rates.append(sum(s == "pass" for s in graded) / len(graded) if graded else 0)
+        if graded:
+            ids.append(t.id)
+            rates.append(sum(s == "pass" for s in graded) / len(graded))
     right.bar(range(len(ids)), rates, color="#2ca02c")
     right.set_xticks(range(len(ids)), ids, rotation=90, fontsize=7)
     right.set(ylabel="pass rate", ylim=(0, 1), title="Each task's pass rate (of the submissions graded here)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def protection(timeout: float) -> str:
+    """What protected the grades: the sandbox, its limits, the time limits."""
+    return (f"{bwrap.describe()}\n- time: {sandbox.CALL_TIMEOUT_S:.0f} s per call of a student's code (its whole "
+            f"answer, of at most {sandbox.ANSWER_BYTES >> 20} MiB more than the call's arguments), "
+            f"{sandbox.BUILD_TIMEOUT_S} s per build, {timeout:.0f} s per submission's whole grade\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,7 +249,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="submissions graded at once")
     p.add_argument("--level", type=int, help="grade one level's tasks only")
     p.add_argument("--timeout", type=float, default=1800, help="seconds for one submission's whole grade")
+    p.add_argument("--trust-submissions", action="store_true",
+                   help="run the students' code without a sandbox, as this user: only for code you trust (your own)")
     args = p.parse_args(argv)
+    if args.trust_submissions:
+        os.environ[bwrap.TRUST_ENV] = "1"  # the grades' processes inherit it
+    elif why := bwrap.problem():
+        raise SystemExit(f"make gradebook: {why}")
     submissions = sorted(d.resolve() for d in args.submissions.iterdir() if d.is_dir() and not d.is_symlink())
     if not submissions:
         raise SystemExit(f"no submissions in {args.submissions}: one folder per student")
@@ -168,22 +264,23 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(out)
     for folder in ("json", "logs"):
         (out / folder).mkdir(parents=True)
-    if not sandbox.namespaces_work():
-        print("WARNING: this machine allows no user namespace (unshare -rmn), so the students' code runs in its own "
-              "process and folder but can read what this user can read, and reach the network (LABS.md).")
     with tempfile.TemporaryDirectory(prefix="gradebook-") as scratch:
         edition, work = Path(scratch) / "edition", Path(scratch) / "work"
         lab.write_edition(edition, commit=False)
         work.mkdir()
-        folders = [sandbox_for(edition, s, work) for s in submissions]
-        hidden = [args.submissions.resolve(), out, work]  # a worker sees its own folder only
+        copies = [sandbox_for(edition, s, work) for s in submissions]
         start = time.perf_counter()
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-            grades = dict(zip((f.name for f in folders), pool.map(
-                lambda f: grade_one(f, out, args.level, args.timeout, hidden), folders)))
+            grades = dict(zip((f.name for f, _ in copies), pool.map(
+                lambda copy: grade_one(copy[0], out, args.level, args.timeout), copies)))
         seconds = time.perf_counter() - start
+    for (folder, notes), grade in zip(copies, grades.values()):
+        for t in grade["tasks"]:  # why a file's code was not taken
+            if (path := lab.task(t["id"]).path) in notes and not t["note"]:
+                t["note"] = notes[path]
     write_csv(grades, out / "grades.csv")
-    text = summary(grades) + f"\nGraded in {seconds:.0f} s, {args.jobs} at a time, on {os.cpu_count()} cores.\n"
+    text = (summary(grades) + f"\nGraded in {seconds:.0f} s, {args.jobs} at a time, on {os.cpu_count()} cores.\n\n"
+            + protection(args.timeout))
     (out / "summary.md").write_text(text)
     plot(grades, out / "summary.png")
     print(text + f"\nwrote {out}/grades.csv, summary.md, summary.png and json/")

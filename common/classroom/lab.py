@@ -256,8 +256,37 @@ def _c_signature(before: list[str]) -> tuple[str, str, list[str]]:
 
 def strip(text: str, lang: str) -> str:
     """The text with every region's body replaced by its stub (the markers stay: they show where to write)."""
+    return _rewrite(text, lambda match, before, k: _stub(before, match, lang)[1])
+
+
+def splice(submitted: str, given: str, lang: str) -> tuple[str, list[str]]:
+    """The given file (the edition's) with each region's body taken from the submitted file, matched by task, name and
+    order: a student's code is what they write between the markers, and the code outside them is the edition's,
+    whatever the submitted file holds there. Also what could not be taken: a region the submitted file lacks, or
+    markers out of place (those regions keep their stubs)."""
+    try:
+        bodies: dict[tuple[str, str], list[str]] = {}
+        for r in regions_in(submitted, lang):
+            bodies.setdefault((r.task, r.name), []).append(r.body)
+    except ValueError as e:
+        return given, [f"markers out of place ({e}): its code is not taken"]
+    missing = []
+
+    def body(match: re.Match, before: list[str], k: int) -> str:
+        theirs = bodies.get((match["id"], match["name"]), [])
+        if k < len(theirs):
+            return theirs[k]
+        missing.append(f"no BEGIN LAB {match['id']} {match['name']} marker: put the markers back around your code")
+        return _stub(before, match, lang)[1]
+
+    return _rewrite(given, body), missing
+
+
+def _rewrite(text: str, body) -> str:
+    """The text with the body of each region replaced by body(its BEGIN match, the lines before it, how many regions
+    of the same task and name came before it)."""
     lines = text.splitlines(keepends=True)
-    out, skipping = [], False
+    out, skipping, seen = [], False, {}
     for i, line in enumerate(lines):
         bare = line.rstrip("\n")
         if END.match(bare):
@@ -265,7 +294,9 @@ def strip(text: str, lang: str) -> str:
         if not skipping:
             out.append(line)
         if match := BEGIN.match(bare):
-            out.append(_stub(lines[:i], match, lang)[1])
+            key = (match["id"], match["name"])
+            seen[key] = seen.get(key, 0) + 1
+            out.append(body(match, lines[:i], seen[key] - 1))
             skipping = True
     return "".join(out)
 
@@ -286,7 +317,8 @@ def strip_file(path: Path) -> str:
 
 # Not for students: the bugs list and the lab's own tests hold the correct lines, the held-out checks are the teacher's,
 # and the results quote lines of solutions (the chapters say where a result is missing).
-WITHHELD = ("tests/plant_bugs.py", "tests/test_labs.py", "tests/test_holdout.py", "tests/lab_submissions.py", "results/")
+WITHHELD = ("tests/plant_bugs.py", "tests/test_labs.py", "tests/test_sandbox.py", "tests/test_holdout.py",
+            "tests/lab_submissions.py", "results/")
 MARKER = "LAB_EDITION"  # at the edition's root: common/__init__.py refuses code imported from anywhere else
 MARKER_TEXT = """This folder is a student edition of the course, made by `make lab`.
 Python code run here must import this folder's modules (common/__init__.py checks it).
@@ -295,7 +327,6 @@ Python code run here must import this folder's modules (common/__init__.py check
 LIBRARIES = ("torch", "jax", "jaxlib", "tensorflow", "scipy", "sklearn")  # they would do a task's work; the worker
 # (common/classroom/worker.py) cannot import them either
 FORBIDDEN_PY = (*LIBRARIES, "importlib", "__import__", "exec", "eval")
-FORBIDDEN_C = ("cblas", "cublas", "dlopen", "system(", "popen(", "#include")
 EDITION_CI = """#!/usr/bin/env bash
 # CI of the student edition (written by `make lab`): grade every task; the exit status fails on a failing task.
 set -euo pipefail
@@ -348,10 +379,13 @@ def write_edition(out: Path, root: Path = ROOT, commit: bool = True) -> None:
 def make(targets: list[str] | tuple[str, ...], root: Path = ROOT) -> str | None:
     """`make -s targets` in root with this interpreter; None when it builds, else the first error."""
     run = subprocess.run(["make", "-s", *targets, f"PYTHON={sys.executable}"], cwd=root, capture_output=True, text=True)
-    if run.returncode == 0:
-        return None
-    lines = (run.stderr + run.stdout).splitlines()
-    return next((line.strip() for line in lines if "error" in line), lines[-1] if lines else "make failed")
+    return None if run.returncode == 0 else first_error(run.stderr + run.stdout)
+
+
+def first_error(output: str) -> str:
+    """The line of a failed build's output that says what went wrong."""
+    lines = output.splitlines()
+    return next((line.strip() for line in lines if "error" in line), lines[-1].strip() if lines else "make failed")
 
 
 def files_to_write() -> list[str]:
@@ -373,27 +407,144 @@ def forbidden_use(t: Task, root: Path = ROOT) -> str | None:
     """Why a task's code is not allowed (a library that would do its work, a way around the checks), or None."""
     if t.path is None:
         return None
-    bodies = "".join(r.body for r in regions(t.path, root) if r.task == t.id)
+    bodies = [r.body for r in regions(t.path, root) if r.task == t.id]
     if t.path.endswith(".py"):
         import ast
 
         names = set()
-        for node in ast.walk(ast.parse((root / t.path).read_text())):
+        try:
+            tree = ast.parse((root / t.path).read_text())
+        except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
+            return f"{t.path} is not Python that parses: {e}"
+        for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 names |= {a.name.split(".")[0] for a in node.names}
             elif isinstance(node, ast.ImportFrom) and node.module:
                 names.add(node.module.split(".")[0])
-        names |= {w for w in FORBIDDEN_PY if re.search(rf"\b{w}\b", bodies)}
+        names |= {w for w in FORBIDDEN_PY if re.search(rf"\b{w}\b", "".join(bodies))}
         used = sorted(names & set(FORBIDDEN_PY))
         if used:
             return (f"{t.path} uses {', '.join(used)}: a lab task computes by hand, with NumPy (torch, SciPy and the "
                     "like would do the task's work)")
         return None
-    allowed = ("cublas",) if t.path == CUBLAS else ()  # level 6's tasks are calls to cuBLAS
-    used = [w for w in FORBIDDEN_C if w not in allowed and w in bodies.replace("CUBLAS_CHECK", "")]
-    if used:
-        return f"task {t.id}'s code uses {', '.join(used)}: a lab task computes with its own loops and kernels"
+    calls = given_calls(t.path, root) if language(t.path) == "c" else None
+    for body in bodies:
+        if why := c_problem(body, calls, blas=t.path == CUBLAS):  # level 6's tasks are calls to cuBLAS
+            return f"task {t.id}'s code {why}"
     return None
+
+
+# ---- what a C or CUDA task's code may hold ----
+
+# A task's code is the body of a function, and must stay one: no preprocessor, no way out of its braces, no code
+# that runs at load or exit, no call through a pointer. In C (level 4, whose memory check is judged in the same
+# process as the code it checks) it may call only the level's own functions and these of C's library; in CUDA, any
+# function but those that end, signal, start, load or reach outside the process.
+C_LIBRARY = ("malloc", "calloc", "realloc", "free", "memset", "memcpy", "memmove", "memcmp", "expf", "exp", "logf",
+             "log", "log1pf", "expm1f", "sqrtf", "sqrt", "fabsf", "fabs", "fmaxf", "fmax", "fminf", "fmin", "tanhf",
+             "tanh", "powf", "pow", "floorf", "floor", "ceilf", "ceil", "isnan", "isinf", "isfinite")
+DENIED = ("exit", "_exit", "_Exit", "quick_exit", "abort", "atexit", "at_quick_exit", "on_exit", "system", "popen",
+          "pclose", "fork", "vfork", "clone", "execl", "execle", "execlp", "execv", "execve", "execvp", "execvpe",
+          "fexecve", "posix_spawn", "posix_spawnp", "kill", "killpg", "raise", "signal", "sigaction", "sigprocmask",
+          "alarm", "setitimer", "pthread_create", "pthread_kill", "pthread_exit", "pthread_atfork", "thrd_create",
+          "dlopen", "dlmopen", "dlsym", "dlvsym", "syscall", "mmap", "mprotect", "munmap", "ptrace", "prctl", "open",
+          "openat", "creat", "fopen", "freopen", "fdopen", "write", "pwrite", "read", "pread", "close", "dup", "dup2",
+          "unlink", "remove", "rename", "setenv", "putenv", "unsetenv", "chdir", "setjmp", "longjmp", "sigsetjmp",
+          "siglongjmp", "sleep", "usleep", "cudaDeviceReset")
+NOT_IN_A_BODY = ("asm", "__asm", "__asm__", "_Pragma", "__attribute", "__attribute__", "__declspec", "typedef",
+                 "typeof", "__typeof", "__typeof__", "decltype", "template", "using", "namespace", "operator", "std")
+RESERVED_OK = ("__func__", "__FILE__", "__LINE__", "__syncthreads", "__syncwarp", "__shared__", "__device__",
+               "__restrict__", "__forceinline__", "__threadfence", "__threadfence_block", "__ldg", "__ldcg", "__stcg",
+               "__shfl_sync", "__shfl_up_sync", "__shfl_down_sync", "__shfl_xor_sync", "__ballot_sync",
+               "__any_sync", "__all_sync", "__activemask", "__expf", "__logf", "__fdividef", "__fmaf_rn", "__popc",
+               "__clz", "__ffs", "__nanosleep", "_Bool")
+KEYWORDS = ("if", "for", "while", "switch", "return", "sizeof", "_Alignof", "alignof", "do", "else", "case")
+CAST_WORDS = ("void", "char", "short", "int", "long", "float", "double", "signed", "unsigned", "const", "volatile",
+              "restrict", "_Bool", "bool", "size_t", "ptrdiff_t", "int8_t", "int16_t", "int32_t", "int64_t", "uint8_t",
+              "uint16_t", "uint32_t", "uint64_t", "struct", "union", "enum", "*")
+C_TOKEN = re.compile(r"""(?P<skip>\s+|//[^\n]*|/\*.*?\*/)
+    |(?P<literal>"(?:\\.|[^"\\\n])*"|'(?:\\.|[^'\\\n])*')
+    |(?P<number>\.?\d(?:[\w.]|'(?=\w)|[eEpP][+-])*)
+    |(?P<name>[A-Za-z_]\w*)
+    |(?P<punct><<<|->|::|<:|:>|<%|%>|%:|.)""", re.S | re.X)
+
+
+def c_tokens(text: str) -> list[str]:
+    """C or CUDA source as tokens, comments and blanks left out (a literal is one token)."""
+    return [m.group() for m in C_TOKEN.finditer(text) if m.lastgroup != "skip"]
+
+
+def given_calls(path: str, root: Path = ROOT) -> set[str]:
+    """What a C file's given code (outside its regions) and the headers it includes call or define, but DENIED: the
+    functions and macros of the level, which a task's code may call."""
+    texts, queue, seen = [], [root / path], set()
+    while queue:
+        file = queue.pop()
+        if file in seen or not file.is_file():
+            continue
+        seen.add(file)
+        texts.append(strip(file.read_text(), language(file) or "c"))
+        queue += [folder / name for name in re.findall(r'#include\s+"([^"]+)"', texts[-1])
+                  for folder in (file.parent, root / "common")]
+    tokens = [t for text in texts for t in c_tokens(text)]
+    return {a for a, b in zip(tokens, tokens[1:]) if b == "(" and re.match(r"[A-Za-z_]", a)} - set(DENIED)
+
+
+def c_problem(body: str, calls: set[str] | None, blas: bool = False) -> str | None:
+    """What is not allowed in a region's C or CUDA code, or None. calls: the functions it may call (C), or None for
+    any but DENIED (CUDA, whose one directive allowed is `#pragma unroll`); blas: cuBLAS's calls are the task."""
+    if calls is None:
+        body = re.sub(r"(?m)^[ \t]*#[ \t]*pragma[ \t]+unroll(?:[ \t]+\d+)?[ \t]*$", "", body)
+    if "??" in body:
+        return "holds ??, which C reads as a trigraph"
+    if re.search(r"\\\r?\n", body):
+        return "continues a line with a backslash"
+    tokens = c_tokens(body)
+    opened: list[int] = []  # where each open bracket is
+    for i, token in enumerate(tokens):
+        before, after = tokens[i - 1] if i else "", tokens[i + 1] if i + 1 < len(tokens) else ""
+        if token in ("#", "%:", "<:", ":>", "<%", "%>"):
+            return f"uses the preprocessor or a digraph ({token}): a task's code is plain statements"
+        if token == "(" and before == "]":
+            return "calls through a pointer: a task calls functions by name"
+        if token in "([{":
+            opened.append(i)
+        elif token in ")]}":
+            if not opened or tokens[opened[-1]] != {")": "(", "]": "[", "}": "{"}[token]:
+                return f"has a {token} that does not close its own bracket: a task's code stays inside its function"
+            start = opened.pop()
+            condition = start and tokens[start - 1] in ("if", "while", "for", "switch")  # `if (c) (x)++;`
+            if token == ")" and after == "(" and not condition and not _a_type(tokens[start + 1 : i]):
+                return "calls through a pointer (a function's, or a call's result): a task calls functions by name"
+        if token == "::" and not re.match(r"[A-Za-z_]", before):
+            return "names something of the global namespace (::): a task calls the level's functions"
+        if not re.match(r"[A-Za-z_]", token):
+            continue
+        if token in NOT_IN_A_BODY:
+            return f"uses {token}, which a task's code has no use for"
+        if re.match(r"__|_[A-Z]", token) and token not in RESERVED_OK:
+            return f"uses {token}, a name reserved to the compiler and its libraries"
+        if token.lower().startswith(("cblas", "cublas")) and not blas:
+            return f"calls {token}: a lab task computes with its own loops and kernels"
+        if after not in ("(", "<<<") or token in KEYWORDS or token in CAST_WORDS:
+            continue
+        if calls is None:
+            if token in DENIED:
+                return f"calls {token}, which a lab task has no use for (it may not end, signal or leave its process)"
+        elif before in (".", "->"):
+            return f"calls {token} through a pointer: a task calls functions by name"
+        elif token not in calls and token not in C_LIBRARY:
+            return (f"calls {token}: a task's code calls the level's own functions and, of C's library, "
+                    f"{', '.join(C_LIBRARY[:10])} and its other math functions")
+    if opened:
+        return f"leaves a {tokens[opened[-1]]} open: a task's code stays inside its function"
+    return None
+
+
+def _a_type(tokens: list[str]) -> bool:
+    """Whether the tokens between a pair of parentheses are a type, as in a cast `(float)(x)`."""
+    return any(t not in ("*", "const", "volatile") for t in tokens) and all(
+        t in CAST_WORDS or (i and tokens[i - 1] in ("struct", "union", "enum")) for i, t in enumerate(tokens))
 
 
 def lab_page(number: int, root: Path = ROOT) -> str:

@@ -1,12 +1,13 @@
-"""The trusted side of a teacher's grade: a submission's code runs only in a sandboxed worker process.
+"""The trusted side of a teacher's grade: a submission's code runs only in its sandboxed worker process.
 
 A teacher's grade (common/classroom/gradebook.py, or `python -m common.classroom.grade --submission DIR`) runs the checks here, in the
 grader's own process, with the held-out ones. Wherever a check would run the submission's code, it asks the worker
-instead (common/classroom/worker.py): a process started in a copy of the submission, with limits on time, memory and file
-size, and - where the machine allows a user namespace (`unshare`) - no network and the grader's repository, the
-other submissions and the grade's output hidden behind empty mounts. The worker answers with outputs only (arrays,
-numbers, text; no code), and the checks here compute every verdict from them. So a submission cannot write its own
-score, edit the checks or read the held-out ones; what it can still do is said in LABS.md.
+instead (common/classroom/worker.py): a process in a bubblewrap sandbox (common/classroom/bwrap.py) that sees the submission's copy
+read-only, the system, NumPy and cffi, and nothing else of this machine. The worker answers with outputs only
+(arrays, numbers, text; no code), and the checks here compute every verdict from them. Its builds and the memory
+check run in sandboxes of their own. Every answer has a deadline and a size limit, both checked here: a worker that
+passes either is ended with its whole sandbox, and that check fails. What this does and does not protect against
+is said in LABS.md.
 
 In the student's own `make grade` (no --submission) nothing here is used: the checks call the code directly.
 """
@@ -15,27 +16,25 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import select
-import shutil
-import signal
 import struct
-import subprocess
-import sys
-import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from common.levels import ROOT
+from common.classroom import bwrap
 
 ENV = "LAB_SUBMISSION"  # set by the grade to the submission's sandbox folder: the checks then call the worker
-HIDE_ENV = "LAB_HIDE"  # further folders the worker must not see (the gradebook's submissions and output), by os.pathsep
-CALL_TIMEOUT_S = float(os.environ.get("LAB_CALL_TIMEOUT_S", 120))  # one call: a hang becomes a failed check
-MEMORY_BYTES = 6 << 30  # address space of a CPU worker (not set for a GPU one: the CUDA driver maps far more)
-FILE_BYTES = 1 << 30  # the largest file a worker may write
+CALL_TIMEOUT_S = float(os.environ.get("LAB_CALL_TIMEOUT_S", 120))  # one call, its whole answer included
+BUILD_TIMEOUT_S = 600  # one `make` of a level's libraries
+ANSWER_BYTES = 64 << 20  # an answer may hold this much more than its request (which it sends back: arguments change)
+LOG_BYTES = 64 << 10  # the end of what a worker printed that is kept, to show with its failures
 ARRAY_KINDS = "biuf"  # what an answer's arrays may hold: numbers only
+# The memory check's sanitizers: LeakSanitizer on, and the program ended where it holds more than 2 GiB.
+ASAN_OPTIONS = "detect_leaks=1:hard_rss_limit_mb=2048"
 
 
 class WorkerError(RuntimeError):
@@ -74,7 +73,19 @@ def encode(message: Any) -> bytes:
 
 def decode(data: bytes) -> Any:
     """A message from encode(); refuses anything else (an array of objects included: nothing is ever unpickled)."""
+    try:
+        return _decode(data)
+    except WorkerError:
+        raise
+    except Exception as e:  # malformed in any way (truncated, not JSON, nested past the recursion limit)
+        raise WorkerError(f"an answer that is not one ({type(e).__name__})") from None
+
+
+def _decode(data: bytes) -> Any:
+    """decode()'s work: the JSON structure, then each array from the body behind it."""
     (n,) = struct.unpack("<Q", data[:8])
+    if n > len(data) - 8:
+        raise WorkerError("an answer's header is longer than the answer")
     body = memoryview(data)[8 + n :]
 
     def array(value: dict) -> np.ndarray:
@@ -124,18 +135,8 @@ def receive(stream) -> Any | None:
 # ---- the worker process ----
 
 
-def namespaces_work() -> bool:
-    """Whether this machine lets an unprivileged process make a user, mount and network namespace (`unshare -rmn`)."""
-    unshare = shutil.which("unshare")
-    return bool(unshare) and subprocess.run([unshare, "-rmn", "true"], capture_output=True).returncode == 0
-
-
-def _limits(gpu: bool) -> None:
-    """In the worker, before it starts: its own process group (to end all of it at once), and its limits."""
-    os.setsid()
-    resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_BYTES, FILE_BYTES))
-    if not gpu:
-        resource.setrlimit(resource.RLIMIT_AS, (MEMORY_BYTES, MEMORY_BYTES))
+class _Late(Exception):
+    """The worker did not complete its answer (or read its request) before the deadline."""
 
 
 class Worker:
@@ -143,94 +144,64 @@ class Worker:
 
     def __init__(self, folder: Path, gpu: bool = False):
         self.folder, self.gpu = Path(folder), gpu
-        self.process: subprocess.Popen | None = None
-        self.isolated = namespaces_work()
-        self._spare = ""  # mount points, while the worker runs, for what it keeps seeing
+        self.sandbox: bwrap.Sandbox | None = None
+        self.late: dict[str, str] = {}  # calls that passed their deadline, and why: they are not made again
+        self._log = bytearray()
 
     def _start(self) -> None:
-        to_worker, from_grader = os.pipe()
-        to_grader, from_worker = os.pipe()
-        self._spare = tempfile.mkdtemp(prefix="lab-worker-")
-        worker = self._sandboxed([sys.executable, "-m", "common.classroom.worker", str(to_worker), str(from_worker)])
-        log = open(self.folder / "worker.log", "ab")
-        self.process = subprocess.Popen(worker, cwd=self.folder, env=self._env(), stdin=subprocess.DEVNULL, stdout=log,
-                                        stderr=log, pass_fds=(to_worker, from_worker),
-                                        preexec_fn=lambda: _limits(self.gpu))
-        os.close(to_worker), os.close(from_worker), log.close()
-        self.writer, self.reader = os.fdopen(from_grader, "wb"), os.fdopen(to_grader, "rb")
-
-    def _sandboxed(self, command: list[str]) -> list[str]:
-        """The command, run inside the namespaces with the hidden folders hidden (where the machine allows it)."""
-        if not self.isolated:
-            return command
-        return ["unshare", "-rmn", "--", "sh", "-c", self._hiding_script(), "sh", *command]
-
-    def _env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if k not in (ENV, HIDE_ENV)}
-        # The submission's modules first; the caller's other paths after them (where cffi may live), never this
-        # repository's, whose modules are the grader's.
-        inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-                     if p and not Path(p).resolve().is_relative_to(ROOT)]
-        env.update(PYTHONPATH=os.pathsep.join([str(self.folder), *inherited]), HOME=str(self.folder),
-                   PYTHONDONTWRITEBYTECODE="1")
-        return env
-
-    def run_program(self, argv: list[str], timeout: float) -> tuple[int, str]:
-        """A program of the sandbox, in a sandboxed process of its own (no memory limit: AddressSanitizer reserves
-        terabytes of address space): (exit status, the end of its output)."""
-        spare = self._spare
-        self._spare = tempfile.mkdtemp(prefix="lab-program-")
+        requests, to_worker = os.pipe()
+        from_worker, answers = os.pipe()
         try:
-            process = subprocess.Popen(self._sandboxed(argv), cwd=self.folder, env=self._env(),
-                                       stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                       preexec_fn=lambda: _limits(gpu=True))
-            try:
-                output = process.communicate(timeout=timeout)[0]
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-                raise WorkerError(f"{argv[0]} did not finish in {timeout:.0f} s and was ended") from None
-            return process.returncode, output[-65536:].decode(errors="replace")
+            self.sandbox = bwrap.Sandbox([str(requests), str(answers)], self.folder,
+                                         bwrap.GPU_WORKER if self.gpu else bwrap.WORKER, gpu=self.gpu, worker=True,
+                                         pass_fds=(requests, answers))
+        except BaseException:
+            os.close(to_worker), os.close(from_worker)
+            raise
         finally:
-            shutil.rmtree(self._spare, ignore_errors=True)
-            self._spare = spare
+            os.close(requests), os.close(answers)
+        self.writer, self.reader = to_worker, from_worker
+        os.set_blocking(self.writer, False)
+        os.set_blocking(self.reader, False)
+        self._log = bytearray()
+        self._logger = threading.Thread(target=self._keep_log, args=(self.sandbox.output.fileno(), self._log),
+                                        daemon=True)
+        self._logger.start()
 
-    def _hiding_script(self) -> str:
-        """Inside the namespaces: empty mounts over what the worker must not see (the grader's repository, and the
-        folders the gradebook names: other submissions, the grades), then its own folder and the Python it runs put
-        back where they were, the Python read-only."""
-        hidden = [ROOT, *(Path(p) for p in os.environ.get(HIDE_ENV, "").split(os.pathsep) if p)]
-        hidden = [h.resolve() for h in hidden if h.is_dir()]
-        # The interpreter as the worker will name it (sys.executable): a virtual environment may be a link.
-        keep = [(Path(sys.prefix).absolute(), "ro"), (self.folder.resolve(), "rw")]
-        keep = [(path, mode) for path, mode in keep if any(path.is_relative_to(h) for h in hidden)]
-        saved = [Path(tempfile.mkdtemp(prefix="keep-", dir=self._spare)) for _ in keep]
-        lines = ["set -e"]
-        lines += [f"mount --bind '{path}' '{spare}'" for (path, _), spare in zip(keep, saved)]
-        lines += [f"mkdir -p '{folder}' && mount -t tmpfs -o size=1m tmpfs '{folder}'" for folder in hidden]
-        for (path, mode), spare in zip(keep, saved):
-            lines += [f"mkdir -p '{path}'", f"mount --bind '{spare}' '{path}'"]
-            lines += [f"mount -o remount,bind,ro '{path}'"] if mode == "ro" else []
-        return "\n".join(lines + ['exec "$@"'])
+    @staticmethod
+    def _keep_log(fd: int, log: bytearray) -> None:
+        """Read what the worker prints as it comes (a worker never waits on a full pipe), keeping the end of it; until
+        the end of the pipe, which comes when every process of the sandbox has ended."""
+        while chunk := os.read(fd, 1 << 16):
+            log += chunk
+            del log[:-LOG_BYTES]
 
-    def request(self, op: str, timeout: float = CALL_TIMEOUT_S, **fields) -> Any:
-        """Send one request and wait for its answer; the submission's exceptions come back as WorkerError."""
-        if self.process is None or self.process.poll() is not None:
-            self._start()
-        try:
-            send(self.writer, {"op": op, **fields})
-            ready, _, _ = select.select([self.reader], [], [], timeout)
-            if not ready:
-                self.stop()
-                raise WorkerError(f"no answer after {timeout:.0f} s: an endless loop, or a barrier that never opens? "
-                                  "(the submission's process was ended)")
-            answer = receive(self.reader)
-        except (BrokenPipeError, OSError, struct.error, ValueError, json.JSONDecodeError) as e:
+    def request(self, op: str, timeout: float = CALL_TIMEOUT_S, what: str = "", **fields) -> Any:
+        """Send one request and wait for its whole answer until the deadline; the submission's exceptions come back
+        as WorkerError. `what` names the call: once one passes its deadline, it is not made again in this grade (its
+        task has failed, and each further try would cost a deadline)."""
+        if what in self.late:
+            raise WorkerError(f"{self.late[what]} (an earlier call of it; not called again)")
+        if self.sandbox is None or self.sandbox.process.poll() is not None:
             self.stop()
-            raise WorkerError(f"the submission's process died ({type(e).__name__}){self._log_tail()}") from None
-        if answer is None:
-            code = self.stop()
-            raise WorkerError(f"the submission's process ended (exit status {code}){self._log_tail()}")
+            self._start()
+        data = encode({"op": op, **fields})
+        deadline = time.monotonic() + timeout
+        try:
+            self._write(struct.pack("<Q", len(data)) + data, deadline)
+            answer = decode(self._read_answer(deadline, len(data) + ANSWER_BYTES))
+        except _Late:
+            self.stop()
+            why = f"no complete answer after {timeout:.0f} s: an endless loop, or a barrier that never opens?"
+            if what:
+                self.late[what] = why
+            raise WorkerError(f"{why} (the submission's process was ended){self._log_tail()}") from None
+        except EOFError:
+            code = self.stop(grace=5)
+            raise WorkerError(f"the submission's process ended (exit status {code}){self._log_tail()}") from None
+        except (OSError, WorkerError) as e:
+            self.stop()
+            raise WorkerError(f"the submission's process broke off: {e}{self._log_tail()}") from None
         if not isinstance(answer, dict) or ("ok" not in answer and "error" not in answer):
             self.stop()
             raise WorkerError("the submission's process answered something that is not an answer")
@@ -238,29 +209,57 @@ class Worker:
             raise WorkerError(str(answer["error"]))
         return answer["ok"]
 
+    def _write(self, data: bytes, deadline: float) -> None:
+        """All of data to the worker, never waiting past the deadline on one that stopped reading."""
+        view = memoryview(data)
+        while view:
+            if not select.select([], [self.writer], [], max(deadline - time.monotonic(), 0))[1]:
+                raise _Late()
+            try:
+                view = view[os.write(self.writer, view[:1 << 20]):]
+            except BlockingIOError:
+                continue
+            except BrokenPipeError:
+                raise EOFError() from None
+
+    def _read(self, n: int, deadline: float) -> bytearray:
+        """Exactly n bytes of the answer, before the deadline."""
+        data = bytearray()
+        while len(data) < n:
+            if not select.select([self.reader], [], [], max(deadline - time.monotonic(), 0))[0]:
+                raise _Late()
+            try:
+                chunk = os.read(self.reader, min(n - len(data), 1 << 20))
+            except BlockingIOError:
+                continue
+            if not chunk:
+                raise EOFError()
+            data += chunk
+        return data
+
+    def _read_answer(self, deadline: float, limit: int) -> bytes:
+        """One answer: its length first, checked against the limit before any of it is read."""
+        (n,) = struct.unpack("<Q", self._read(8, deadline))
+        if n > limit:
+            raise WorkerError(f"it announced an answer of {n:,} bytes, more than the {limit:,} an answer to this "
+                              "request may hold")
+        return bytes(self._read(n, deadline))
+
     def _log_tail(self) -> str:
         """The end of what the worker printed (the submission's text: shown, never interpreted)."""
-        log = self.folder / "worker.log"
-        text = log.read_bytes()[-600:].decode(errors="replace").strip() if log.exists() else ""
+        text = bytes(self._log[-600:]).decode(errors="replace").strip()
         return f"; it printed: ...{text[-300:]}" if text else ""
 
-    def stop(self) -> int | None:
-        """End the worker and everything it started."""
-        if self.process is None:
+    def stop(self, grace: float = 0) -> int | None:
+        """End the worker and every process of its sandbox (after grace seconds to end by itself); its exit status."""
+        if self.sandbox is None:
             return None
-        if self.process.poll() is None:
-            try:
-                os.killpg(self.process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        code = self.process.wait()
-        shutil.rmtree(self._spare, ignore_errors=True)
-        for stream in (self.writer, self.reader):
-            try:
-                stream.close()
-            except OSError:
-                pass
-        self.process = None
+        code = self.sandbox.stop(close=False, grace=grace)
+        self._logger.join()  # the pipe has ended: every process that could write to it has
+        self.sandbox.output.close()
+        for fd in (self.writer, self.reader):
+            os.close(fd)
+        self.sandbox = None
         return code
 
 
@@ -302,10 +301,21 @@ def _copy_back(local, remote) -> None:
             _copy_back(a, b)
 
 
-def _call(target: Worker, op: str, args, kwargs, timeout: float = CALL_TIMEOUT_S, **fields):
-    answer = target.request(op, timeout, args=list(args), kwargs=dict(kwargs), **fields)
-    _copy_back(list(args), answer["args"])
-    _copy_back(dict(kwargs), answer["kwargs"])
+# The functions a student writes that update arguments in place, and which (by position and by name): only those come
+# back from the worker. Any other change the submission makes to an argument stays in the worker, so that no function
+# can change the inputs its check computes the right answer from.
+IN_PLACE = {"sgd_update": {0: "params"}, "sgd_momentum_update": {0: "params", 2: "velocity"}}
+
+
+def _call(target: Worker, op: str, args, kwargs, timeout: float = CALL_TIMEOUT_S, what: str = "", **fields):
+    answer = target.request(op, timeout, what, args=list(args), kwargs=dict(kwargs), **fields)
+    updated = IN_PLACE.get(fields["name"], {})
+    remote_args, remote_kwargs = answer["args"], answer["kwargs"]
+    for i, name in updated.items():
+        if i < len(args) and isinstance(remote_args, list) and i < len(remote_args):
+            _copy_back(args[i], remote_args[i])
+        if name in kwargs and isinstance(remote_kwargs, dict) and name in remote_kwargs:
+            _copy_back(kwargs[name], remote_kwargs[name])
     return answer["result"]
 
 
@@ -313,7 +323,7 @@ def remote_function(module: str, name: str, gpu: bool = False, timeout: float = 
     """A stand-in for the submission's module.name, run by the worker (a call that takes longer than timeout fails)."""
 
     def function(*args, **kwargs):
-        return _call(worker(gpu), "call", args, kwargs, timeout, module=module, name=name)
+        return _call(worker(gpu), "call", args, kwargs, timeout, f"{module}.{name}", module=module, name=name)
 
     function.__name__ = name
     return function
@@ -324,22 +334,39 @@ class RemoteObject:
 
     def __init__(self, factory: str, *args, gpu: bool = False):
         self._worker = worker(gpu)
-        self._handle = self._worker.request("new", factory=factory, args=list(args))
+        # What it is, for the calls' names: the factory and its leading plain arguments (a level, a device).
+        self._what = f"{factory}{tuple(a for a in args[:2] if isinstance(a, int | str))}"
+        self._handle = self._worker.request("new", CALL_TIMEOUT_S, self._what, factory=factory, args=list(args))
 
     def __getattr__(self, name: str):
         if name.startswith("_"):
             raise AttributeError(name)
-        return lambda *args, **kwargs: _call(self._worker, "method", args, kwargs, handle=self._handle, name=name)
+        return lambda *args, **kwargs: _call(self._worker, "method", args, kwargs, CALL_TIMEOUT_S,
+                                             f"{self._what}.{name}", handle=self._handle, name=name)
 
 
 def build(targets: tuple[str, ...], gpu: bool = False) -> str | None:
-    """`make -s targets` in the submission's sandbox: None when it builds, else the first error."""
-    return worker(gpu).request("build", timeout=600, targets=list(targets))
+    """`make -s targets` in a sandbox of its own, the only one that may write in the submission's folder (the compilers
+    run there, none of the submission's code): None when it builds, else the first error."""
+    from common.classroom import lab
+
+    ran = bwrap.run(["make", "-s", *targets, f"PYTHON={bwrap.interpreter()}"], submission(), bwrap.BUILD,
+                    BUILD_TIMEOUT_S, writable=True, cuda=gpu, env={"PYTHONPATH": bwrap.PACKAGES})
+    if ran.status is None:
+        return f"the build did not finish in {BUILD_TIMEOUT_S} s and was ended"
+    return None if ran.status == 0 else lab.first_error(ran.text())
 
 
-def run(argv: list[str], timeout: float, gpu: bool = False) -> tuple[int, str]:
-    """A program of the sandbox, run there in a process of its own: (exit status, the end of its output)."""
-    return worker(gpu).run_program(argv, timeout)
+def memory_check(part: str, timeout: float = 120) -> tuple[bool, str]:
+    """Level 4's memory check (build/lab_memory part, under AddressSanitizer and LeakSanitizer) in a sandbox of its
+    own: (passed, its report). It passes only on the verdict that the checking program writes on a pipe of its own,
+    after the sanitizers' leak check, with exit status 0: what the code under check prints is shown, never believed."""
+    ran = bwrap.run(["build/lab_memory", part], submission(), bwrap.PROGRAM, timeout, verdict=True,
+                    env={"ASAN_OPTIONS": ASAN_OPTIONS, "UBSAN_OPTIONS": "print_stacktrace=1"})
+    if ran.status is None:
+        return False, f"build/lab_memory {part} did not finish in {timeout:.0f} s and was ended"
+    passed = ran.status == 0 and ran.verdict.decode(errors="replace") == f"lab_memory {part}: ok\n"
+    return passed, ran.text()[-65536:]
 
 
 def stand_in_for_python_tasks() -> None:
