@@ -11,6 +11,7 @@ import pytest
 from common.contract import is_immutable
 from common.harness import bench, compare
 from common.levels import LEVELS, level, missing
+from common.nets import get
 from common.nets.mlp import PARAM_NAMES, init_params, param_shapes
 
 pytestmark = pytest.mark.harness
@@ -134,6 +135,17 @@ def test_a_row_says_what_ran_and_fails_when_the_model_ran_something_else(tmp_pat
         capsys.readouterr().out
     rows = json.loads((tmp_path / "results.json").read_text())["table"]
     assert rows[0]["ran"] == {"device": "cpu", "dtype": "float32"} and rows[1]["ran"] == {"device": "cuda"}
+
+
+def test_each_variant_of_a_level_is_a_row_of_its_own():
+    """The network list names each level's variants (its convolutions, its matrix products), the default first; the
+    harness makes a row of each, named after its options."""
+    mlp, lenet = get("mlp"), get("lenet")
+    assert mlp.variants(5) == ({"matmul": "naive"}, {"matmul": "tiled"}, {"matmul": "blocked"})
+    assert mlp.variants(4) == mlp.variants(6) == ({},)
+    assert lenet.variants(5) == ({"convolution": "direct"}, {"convolution": "tiled"}) and lenet.variants(6) == ({},)
+    assert compare.row_label(level(5), "cuda", {"matmul": "tiled"}) == "level5[cuda, tiled]"
+    assert compare.row_label(level(4), "cpu", {}) == "level4[cpu]"
 
 
 def test_the_timed_epochs_come_after_an_untimed_one_from_the_same_weights(tmp_path, monkeypatch, mnist):
