@@ -102,8 +102,8 @@ BUGS = [
      "        __syncthreads(); /* both tiles are whole before any thread reads them */\n        for (int k = 0;",
      "        for (int k = 0;", "kernel 2 (tiled): no __syncthreads() between staging the tiles and reading them"),
     (5, "level5_cuda_naive/matmul.cuh",
-     "        __syncthreads(); /* every thread is done with these tiles before the next ones are staged over them */\n"
-     "    }\n#pragma unroll",
+     ("        __syncthreads(); /* every thread is done with these tiles before the next ones are staged over them */\n"
+      "    }\n#pragma unroll"),
      "    }\n#pragma unroll",
      "kernel 3 (blocked): no __syncthreads() before the next tiles are staged over the ones still being read"),
     (5, "level5_cuda_naive/matmul.cuh", "i < a.rows && j < a.cols ? a.at(i, j)", "i <= a.rows && j <= a.cols ? a.at(i, j)",

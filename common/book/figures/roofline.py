@@ -31,7 +31,8 @@ def row_colour(label: str) -> str:
 def roof(intensity: np.ndarray, ceilings: dict) -> np.ndarray:
     """GFLOP/s the GPU can reach at an arithmetic intensity (FLOP per byte): the memory's rate times the intensity,
     or the arithmetic's ceiling, whichever is lower."""
-    return np.minimum(ceilings["fp32_matmul_tflops_measured"] * 1e3, ceilings["copy_tb_per_s_measured"] * 1e3 * intensity)
+    arithmetic, memory = ceilings["fp32_matmul_tflops_measured"] * 1e3, ceilings["copy_tb_per_s_measured"] * 1e3
+    return np.minimum(arithmetic, memory * intensity)
 
 
 def kernel_points(kernels: dict) -> list[tuple[str, int, float, float]]:
@@ -67,7 +68,8 @@ def roofline(ceilings: dict, runs: list[dict], kernels: dict | None = None):
     peak, bandwidth = ceilings["fp32_matmul_tflops_measured"], ceilings["copy_tb_per_s_measured"]
     ridge = peak / bandwidth
     ax.axvline(ridge, color=MUTED, lw=0.8, ls=":", zorder=0)
-    ax.text(0.12, bandwidth * 1e3 * 0.12 * 1.35, f"memory: {bandwidth:.2f} TB/s", rotation=28, fontsize=8.5, color=MEMORY)
+    ax.text(0.12, bandwidth * 1e3 * 0.12 * 1.35, f"memory: {bandwidth:.2f} TB/s", rotation=28, fontsize=8.5,
+            color=MEMORY)
     ax.text(ridge * 1.15, peak * 1e3 * 1.15, f"FP32 arithmetic: {peak:.1f} TFLOP/s", fontsize=8.5, color=MEMORY)
     ax.text(ridge * 1.05, 1.5, f"ridge: {ridge:.0f} FLOP/byte", fontsize=8, color=MEMORY)
 
