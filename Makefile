@@ -62,11 +62,12 @@ level4_c/liblenet.so: level4_c/lenet.c level4_c/mlp.c $(LENET_H)
 	$(CC) $(CFLAGS) $(INCLUDE) -shared -o $@ $< -lm
 
 level5: level5_cuda_naive/libmlp.so level5_cuda_naive/liblenet.so
-level5_cuda_naive/libmlp.so: level5_cuda_naive/mlp.cu $(CUDA_MLP)
+level5_cuda_naive/libmlp.so: level5_cuda_naive/mlp.cu level5_cuda_naive/matmul.cuh $(CUDA_MLP)
 	@[ -n "$(NVCC)" ] || { echo "level 5 needs nvcc (the CUDA toolkit)"; exit 1; }
 	$(NVCC) $(NVFLAGS) $(INCLUDE) -o $@ $<
 # LeNet-5: lenet.cu includes mlp.cu, whose kernels it reuses for the fully connected layers.
-level5_cuda_naive/liblenet.so: level5_cuda_naive/lenet.cu level5_cuda_naive/mlp.cu $(CUDA_LENET)
+level5_cuda_naive/liblenet.so: level5_cuda_naive/lenet.cu level5_cuda_naive/mlp.cu level5_cuda_naive/matmul.cuh \
+	$(CUDA_LENET)
 	@[ -n "$(NVCC)" ] || { echo "level 5 needs nvcc (the CUDA toolkit)"; exit 1; }
 	$(NVCC) $(NVFLAGS) $(INCLUDE) -o $@ $<
 
@@ -136,6 +137,17 @@ build/level7_floors.so: level7_fused/floors.cu level7_fused/mlp.cu level6_cublas
 	@mkdir -p build
 	$(build_with_cublas)
 
+# The matrix products of levels 5 and 6 alone, for common/harness/matmul_kernels.py: one source, built with each level's
+# mlp.cu (the level's folder on the include path).
+build/matmul_level5.so: common/harness/matmul_kernels.cu level5_cuda_naive/mlp.cu level5_cuda_naive/matmul.cuh \
+	$(CUDA_MLP)
+	@[ -n "$(NVCC)" ] || { echo "$@ needs nvcc (the CUDA toolkit)"; exit 1; }
+	@mkdir -p build
+	$(NVCC) $(NVFLAGS) $(INCLUDE) -Ilevel5_cuda_naive -o $@ $<
+build/matmul_level6.so: common/harness/matmul_kernels.cu level6_cublas/mlp.cu $(CUDA_MLP)
+	@mkdir -p build
+	$(build_with_cublas) -Ilevel6_cublas
+
 # The lab's grader (common/classroom/grade.py, LABS.md) reaches each task's functions alone, through these: level 4's
 # layer functions, its memory functions under ASan + UBSan, and on a GPU machine level 5's kernels and level 7's
 # device code.
@@ -146,7 +158,8 @@ build/lab_memory: tests/lab_memory.c level4_c/mlp.c $(MLP_H)
 	@mkdir -p build
 	$(CC) -g -O1 -std=c11 -Wall -Wextra -Werror -fsanitize=address,undefined -fno-sanitize-recover=all $(INCLUDE) \
 		-o $@ $< -lm
-build/lab_level5.so: tests/lab_level5.cu level5_cuda_naive/lenet.cu level5_cuda_naive/mlp.cu $(CUDA_LENET)
+build/lab_level5.so: tests/lab_level5.cu level5_cuda_naive/lenet.cu level5_cuda_naive/mlp.cu \
+	level5_cuda_naive/matmul.cuh $(CUDA_LENET)
 	@[ -n "$(NVCC)" ] || { echo "$@ needs nvcc (the CUDA toolkit)"; exit 1; }
 	@mkdir -p build
 	$(NVCC) $(NVFLAGS) $(INCLUDE) -o $@ $<

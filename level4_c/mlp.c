@@ -328,6 +328,20 @@ int mlp_set_data(mlp *m, const float *x, const int *y, int n) {
     return MLP_OK;
 }
 
+/* Level 4 has one matrix product, its loops (mlp.h's MLP_MATMUL_LOOPS); level 5 brings kernels to choose from. */
+int mlp_set_matmul(mlp *m, int matmul) {
+    if (!m) return FAIL(MLP_ERR_ARG, "NULL argument");
+    if (matmul != MLP_MATMUL_LOOPS)
+        return FAIL(MLP_ERR_ARG, "level 4's matrix product is its loops in C (%d), got %d", MLP_MATMUL_LOOPS, matmul);
+    return MLP_OK;
+}
+
+int mlp_get_matmul(mlp *m, int *matmul) {
+    if (!m || !matmul) return FAIL(MLP_ERR_ARG, "NULL argument");
+    *matmul = MLP_MATMUL_LOOPS;
+    return MLP_OK;
+}
+
 /* The CPU has no device memory to read: device arrays are for the GPU levels (mlp.h). */
 int mlp_use_device_data(mlp *m, const float *x, const int *y, int n) {
     (void)m, (void)x, (void)y, (void)n;

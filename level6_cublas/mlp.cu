@@ -66,19 +66,38 @@ static int linear_forward(mlp *m, float *out, const float *x, const float *w, in
     /* END LAB */
 }
 
-/* Backward of out = x @ w^T, given dout (B, n_out): second and third rows of the table.
- *   dw (n_out, n_in) = dout^T @ x,  dx (B, n_in) = dout @ w  (dx NULL: skipped). */
-static int linear_backward(mlp *m, float *dx, float *dw, const float *dout, const float *x, const float *w, int B,
-                           int n_in, int n_out) {
+/* Backward of out = x @ w^T, given dout (B, n_out), x (B, n_in): dw (n_out, n_in) = dout^T @ x, the second row of
+ * the table. */
+static int linear_backward_dw(mlp *m, float *dw, const float *dout, const float *x, int B, int n_in, int n_out) {
     /* BEGIN LAB 6.2 dw = dout^T @ x */
     CUBLAS_CHECK(cublasSgemm(cublas(m), CUBLAS_OP_N, CUBLAS_OP_T, n_in, n_out, B, &one, x, n_in, dout, n_out, &zero, dw,
                              n_in));
+    return MLP_OK;
     /* END LAB */
-    if (!dx) return MLP_OK;
+}
+
+/* dx (B, n_in) = dout (B, n_out) @ w (n_out, n_in), the third row. */
+static int linear_backward_dx(mlp *m, float *dx, const float *dout, const float *w, int B, int n_in, int n_out) {
     /* BEGIN LAB 6.3 dx = dout @ w */
     CUBLAS_CHECK(cublasSgemm(cublas(m), CUBLAS_OP_N, CUBLAS_OP_N, n_in, B, n_out, &one, w, n_in, dout, n_out, &zero, dx,
                              n_in));
+    return MLP_OK;
     /* END LAB */
+}
+
+/* Backward of out = x @ w^T: dw, and dx unless it is NULL (the first layer needs none). */
+static int linear_backward(mlp *m, float *dx, float *dw, const float *dout, const float *x, const float *w, int B,
+                           int n_in, int n_out) {
+    const int status = linear_backward_dw(m, dw, dout, x, B, n_in, n_out);
+    if (status || !dx) return status;
+    return linear_backward_dx(m, dx, dout, w, B, n_in, n_out);
+}
+
+/* Levels 6 and 7 (which includes this file) compute every product with cuBLAS: they have nothing to choose. */
+static int check_matmul(int matmul) {
+    if (matmul != MLP_MATMUL_CUBLAS)
+        return FAIL(MLP_ERR_ARG, "levels 6 and 7 compute their matrix products with cuBLAS (%d), got %d",
+                    MLP_MATMUL_CUBLAS, matmul);
     return MLP_OK;
 }
 
@@ -94,6 +113,7 @@ static int level_create(mlp *m) {
     m->level_state = handle;
     CUBLAS_CHECK(cublasSetStream(handle, m->stream));
     CUBLAS_CHECK(cublasSetMathMode(handle, CUBLAS_DEFAULT_MATH));
+    m->matmul = MLP_MATMUL_CUBLAS;
     return MLP_OK;
 }
 

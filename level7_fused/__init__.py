@@ -22,8 +22,8 @@ class MLP(native_level(level(7))):
 
     __module__ = __name__
 
-    def __init__(self, params: dict[str, np.ndarray]):
-        super().__init__(params)
+    def __init__(self, params: dict[str, np.ndarray], matmul: str | None = None):
+        super().__init__(params, matmul)
         self._warned: set[int] = set()
         self._last_plan = "no epoch yet"
 

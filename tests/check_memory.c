@@ -56,6 +56,15 @@ static void exercise(int hidden, int batch) {
     expect(mlp_layers(m, outputs, NULL, x, y, N), MLP_ERR_ARG, "layers with a NULL output");
     expect(mlp_set_data(m, x, bad_y, N), MLP_ERR_ARG, "a label out of range in the data set");
     expect(mlp_use_device_data(m, x, y, N), MLP_ERR_ARG, "device arrays, on the CPU level");
+    int matmul = -1;
+    expect(mlp_set_matmul(m, MLP_MATMUL_LOOPS), MLP_OK, "set_matmul to level 4's own");
+    expect(mlp_set_matmul(m, MLP_MATMUL_TILED), MLP_ERR_ARG, "a matrix product level 4 has not");
+    expect(mlp_get_matmul(m, &matmul), MLP_OK, "get_matmul");
+    if (matmul != MLP_MATMUL_LOOPS) {
+        printf("not ok: get_matmul read back %d, wanted level 4's loops (%d)\n", matmul, MLP_MATMUL_LOOPS);
+        failures++;
+    }
+    expect(mlp_get_matmul(m, NULL), MLP_ERR_ARG, "get_matmul with a NULL output");
     order[3] = N;
     expect(mlp_train_epoch(m, losses, order, N, batch, 0.01f), MLP_ERR_ARG, "an order index out of range");
     expect(mlp_train_epoch(m, losses, order, N, 0, 0.01f), MLP_ERR_ARG, "batch size 0");

@@ -25,6 +25,12 @@ NATIVE = [pair for pair in ALL if pair[0].library_for()]
 OWN_KERNELS = [pair for pair in NATIVE if pair[1] == "cuda"]
 
 
+def each_variant(pairs) -> list[tuple[Level, str, dict[str, str]]]:
+    """Each (level, device) once per variant the harness runs of it (common/nets' list: level 5's three matrix
+    products), as (level, device, options)."""
+    return [(lv, device, options) for lv, device in pairs for options in THE_MLP.variants(lv.number)]
+
+
 def pytest_configure(config):
     """A marker per level, from common/levels.py's list (`pytest -m level4` runs level 4's tests and chapter)."""
     for lv in LEVELS:
@@ -40,14 +46,18 @@ def pytest_addoption(parser):
 
 
 def implementation_params(pairs=IMPLEMENTATIONS, graded: bool = False):
-    """pytest.param per (level, device), marked levelN, plus gpu where it runs on one; graded: also task("<id>") of
-    the level's row in the lab's grade (common/classroom/lab.py), which these tests then check."""
+    """pytest.param per (level, device) or (level, device, options) (each_variant), as (level, device, options),
+    marked levelN, plus gpu where it runs on one; graded: also task("<id>") of the level's row in the lab's grade
+    (common/classroom/lab.py), which these tests then check: for the level's default variant, the code a student
+    writes (level 5's kernels 2 and 3, in level5_cuda_naive/matmul.cuh, are outside every task)."""
     params = []
-    for lv, device in pairs:
+    for lv, device, *rest in pairs:
+        options = rest[0] if rest else {}
         marks = [getattr(pytest.mark, lv.name)] + ([pytest.mark.gpu] if device == "cuda" else [])
-        if graded and (row := lab.level_row(lv.number)):
+        if graded and options == THE_MLP.variants(lv.number)[0] and (row := lab.level_row(lv.number)):
             marks.append(pytest.mark.task(row.id))
-        params.append(pytest.param((lv, device), marks=marks, id=f"{lv.name}-{device}"))
+        name = "-".join([lv.name, device, *options.values()])
+        params.append(pytest.param((lv, device, options), marks=marks, id=name))
     return params
 
 
@@ -83,11 +93,13 @@ def sanitize(tool: str, script: str) -> None:
 @pytest.fixture
 def factory(impl, request):
     """factory(params) -> a fresh model of the implementation under test (skips when this machine cannot run it)."""
-    lv, device = impl
+    lv, device, options = impl
     require(lv, device, request.config)
     if sandbox.submission() and lv.number > 1:  # the level is the submission's: its worker makes the models
-        return sandbox.model_factory(lv.number, device)
-    return partial(lv.load(), device=device) if lv.takes_device else lv.load()
+        return sandbox.model_factory(lv.number, device, options)
+    if lv.takes_device:
+        return partial(lv.load(), device=device, **options)
+    return partial(lv.load(), **options) if options else lv.load()  # a class, where it takes no option
 
 
 def reference(params):

@@ -104,6 +104,23 @@ BUGS = [
      "ReLU gradient wrong at exactly 0"),
     (5, "common/native/cuda_mlp.cuh", "p[i] -= lr * dp[i];", "p[i] -= 1.002f * lr * dp[i];", "learning rate 0.2% too large"),
     (5, "common/native/cuda_mlp.cuh", "m->x, x + (size_t)start * m->n_in,", "m->x, x,", "forward() repeats its first chunk of rows"),
+    # Level 5's kernels 2 and 3 (level5_cuda_naive/matmul.cuh)
+    (5, "level5_cuda_naive/matmul.cuh",
+     "        __syncthreads(); /* both tiles are whole before any thread reads them */\n        for (int k = 0;",
+     "        for (int k = 0;", "kernel 2 (tiled): no __syncthreads() between staging the tiles and reading them"),
+    (5, "level5_cuda_naive/matmul.cuh",
+     ("        __syncthreads(); /* every thread is done with these tiles before the next ones are staged over them */\n"
+      "    }\n#pragma unroll"),
+     "    }\n#pragma unroll",
+     "kernel 3 (blocked): no __syncthreads() before the next tiles are staged over the ones still being read"),
+    (5, "level5_cuda_naive/matmul.cuh", "i < a.rows && j < a.cols ? a.at(i, j)", "i <= a.rows && j <= a.cols ? a.at(i, j)",
+     "kernels 2 and 3: a tile's bounds off by one (<= for <), reading a row and a column past a matrix's edge"),
+    (5, "level5_cuda_naive/matmul.cuh", "if (row < a.rows && col < b.cols) c[(size_t)row * b.cols + col] = sum[i][j];",
+     "if (row <= a.rows && col <= b.cols) c[(size_t)row * b.cols + col] = sum[i][j];",
+     "kernel 3 (blocked): its store's bounds off by one, writing a row and a column past the output"),
+    (5, "level5_cuda_naive/matmul.cuh", "const bool tiled = m->matmul == MLP_MATMUL_TILED;",
+     "const bool tiled = m->matmul != MLP_MATMUL_NAIVE;",
+     "kernel 3's row runs kernel 2 (the same bits: only the kernels it launches tell)"),
     # LeNet-5 (level5_cuda_naive/lenet.cu)
     (5, "level5_cuda_naive/lenet.cu", "const bool inside = n < B && row < H && col < H;",
      "const bool inside = n < B && row < H && col < H && e / IN % IN < IN - 1;",

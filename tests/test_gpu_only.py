@@ -98,3 +98,24 @@ def test_level7_passes_lockstep_whatever_its_knobs(factory, mnist, monkeypatch):
                 in_lockstep(factory, init_params(3, 64), X[:96] if batch == 8 else X, y[:96] if batch == 8 else y, 1,
                             batch, lr=0.05)
     assert np.isfinite(factory(init_params(3, 64)).train_epoch(X, y, 8, 0.05)).all()
+
+
+@pytest.mark.level5
+@pytest.mark.level6
+@pytest.mark.gpu
+def test_the_kernels_script_checks_then_times_every_kernel_on_every_product(request):
+    """common/harness/matmul_kernels.py at odd sizes (batch 13, hidden 37: every tile cut at an edge): each kernel's
+    result within float32's bound of the float64 product, then a time per launch, the step's total its products'."""
+    require(level(5), "cuda", request.config)
+    require(level(6), "cuda", request.config)
+    from common.harness import matmul_kernels as mk
+
+    (record,) = mk.run(sizes=((13, 37),), launches=3, repeats=4, quiet=True)
+    assert [p["product"] for p in record["products"]] == [p.name for p in mk.step_products(37)]
+    for product in record["products"]:
+        assert list(product["kernels"]) == mk.KERNELS
+        for kernel, timing in product["kernels"].items():
+            assert timing["error_share"] <= 1 and 0 < timing["us_range"][0] <= timing["us"], (product, kernel)
+    for kernel in mk.KERNELS:
+        total = sum(p["kernels"][kernel]["us"] for p in record["products"])
+        assert record["step"][kernel]["us"] == pytest.approx(total)

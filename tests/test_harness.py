@@ -10,7 +10,8 @@ import pytest
 
 from common.contract import is_immutable
 from common.harness import bench, compare
-from common.levels import LEVELS, level, missing
+from common.levels import LEVELS, ROOT, level, missing
+from common.nets import get
 from common.nets.mlp import PARAM_NAMES, init_params, param_shapes
 
 pytestmark = pytest.mark.harness
@@ -136,6 +137,17 @@ def test_a_row_says_what_ran_and_fails_when_the_model_ran_something_else(tmp_pat
     assert rows[0]["ran"] == {"device": "cpu", "dtype": "float32"} and rows[1]["ran"] == {"device": "cuda"}
 
 
+def test_each_variant_of_a_level_is_a_row_of_its_own():
+    """The network list names each level's variants (its convolutions, its matrix products), the default first; the
+    harness makes a row of each, named after its options."""
+    mlp, lenet = get("mlp"), get("lenet")
+    assert mlp.variants(5) == ({"matmul": "naive"}, {"matmul": "tiled"}, {"matmul": "blocked"})
+    assert mlp.variants(4) == mlp.variants(6) == ({},)
+    assert lenet.variants(5) == ({"convolution": "direct"}, {"convolution": "tiled"}) and lenet.variants(6) == ({},)
+    assert compare.row_label(level(5), "cuda", {"matmul": "tiled"}) == "level5[cuda, tiled]"
+    assert compare.row_label(level(4), "cpu", {}) == "level4[cpu]"
+
+
 def test_the_timed_epochs_come_after_an_untimed_one_from_the_same_weights(tmp_path, monkeypatch, mnist):
     """Compilation and graph captures happen in a first call: the harness trains one epoch before the clock starts,
     then loads the initial weights back, so the free run still agrees with level 1's from its first step."""
@@ -186,3 +198,93 @@ def test_repeated_data_set_stays_immutable(tmp_path, monkeypatch, mnist):
     assert compare.main(args + ["--out", str(tmp_path), "--quiet"]) == 0
     X, y = seen[0]
     assert len(X) == len(y) == n and is_immutable(X) and is_immutable(y)
+
+
+# ---- level 5's matrix-product kernels against cuBLAS (common/harness/matmul_kernels.py) ----
+
+
+def test_the_kernels_table_counts_a_steps_matrix_products():
+    """The five products the script times are the step's: their multiply-adds are flops_per_step's, at both sizes."""
+    from common.harness import matmul_kernels as mk
+    from common.nets.mlp import flops_per_step
+
+    assert mk.KERNELS == ["cublas", "naive", "tiled", "blocked"]  # kernel 0, the reference, first
+    for batch, hidden in mk.SIZES:
+        shapes = [product.shape(batch) for product in mk.step_products(hidden)]
+        assert sum(2 * m * n * k for m, n, k in shapes) == flops_per_step(batch, hidden)
+
+
+def test_the_kernels_check_passes_float32_rounding_and_fails_a_dropped_term():
+    """A kernel is timed only after its result is within the bound of any float32 sum: the float64 product rounded to
+    float32 uses a small share of it; a product that drops the last term of its sums (a tile bound one short) is past
+    it."""
+    from common.harness import matmul_kernels as mk
+
+    for product in mk.step_products(37):
+        x, w, dout = data = mk.operands(13, product)
+        k = product.shape(13)[2]
+        assert mk.error_share(product.exact(*data).astype(np.float32), product, data, k) < 0.5, product.name
+        short = [(x.copy(), w, dout), (x, w, dout.copy()), (x, w, dout.copy())][product.kind]
+        [short[0][:, -1], short[2][-1], short[2][:, -1]][product.kind][...] = 0  # the sum's last term: 0
+        assert mk.error_share(product.exact(*short).astype(np.float32), product, data, k) > 5, product.name
+
+
+def test_the_kernels_table_names_each_kernel_and_its_share_of_cublas():
+    from common.harness import matmul_kernels as mk
+
+    timing = {"cublas": 2.0, "naive": 8.0, "tiled": 4.0, "blocked": 2.5}  # us: made up, for the layout only
+    products = [{"product": p.name, **dict(zip("mnk", p.shape(8))),
+                 "kernels": {kernel: {"us": us, "gflops": 2 * np.prod(p.shape(8)) / us / 1e3}
+                             for kernel, us in timing.items()}} for p in mk.step_products(256)]
+    table = mk.markdown([{"batch": 8, "hidden": 256, "products": products, "step": mk.step_total(products)}],
+                        {"gpu": "a GPU"})
+    assert "| kernel 0: cublas |" in table and "| kernel 3: blocked |" in table
+    assert "(100%)" in table and "(25%)" in table and "(50%)" in table and "(80%)" in table
+    assert "| h = x W1^T (8 x 256 x 784) |" in table
+
+
+def test_the_kernels_libraries_build_and_refuse_bad_sizes_before_touching_a_gpu():
+    """build/matmul_level5.so and build/matmul_level6.so (one source, each level's mlp.cu) compile with the levels'
+    flags, and their one function checks its arguments first."""
+    import shutil
+
+    from common.harness import matmul_kernels as mk
+    from common.levels import level
+
+    if not shutil.which("nvcc") or not level(6).library_for().exists():
+        pytest.skip("the kernels' libraries need nvcc and cuBLAS (make level6)")
+    ffi, libraries = mk.load()
+    x = np.zeros(4, dtype=np.float32)
+    for lib in libraries.values():
+        buffer = ffi.from_buffer("float[]", x)
+        assert lib.product_run(1, lib.PRODUCT_FORWARD, buffer, buffer, buffer, 0, 2, 2, buffer, 1, 1, buffer) == 1
+        assert "sizes, launches and repeats must be >= 1" in ffi.string(lib.mlp_last_error()).decode()
+
+
+def test_the_roofline_puts_each_gpu_levels_step_under_the_measured_roof():
+    """common/book/figures/roofline.py from the committed H100 results: the roof bends at the measured ceilings' ridge,
+    each GPU level's step (not a peer, not a CPU row) is a point at its sizes' intensity, and the caption says what is
+    measured - the kernels' points only once their file exists."""
+    from common.book.figures import roofline
+    from common.nets.mlp import bytes_per_step, flops_per_step
+
+    ceilings = json.loads((ROOT / "results/h100/debugging/ceilings.json").read_text())
+    runs = [json.loads((ROOT / f"results/h100/{preset}/results.json").read_text()) for preset in ("chapter", "large-b256")]
+    ridge = ceilings["fp32_matmul_tflops_measured"] / ceilings["copy_tb_per_s_measured"]
+    assert roofline.roof(np.array([ridge / 2, ridge, 2 * ridge]), ceilings) == pytest.approx(
+        ceilings["fp32_matmul_tflops_measured"] * 1e3 * np.array([0.5, 1, 1]))
+    points = roofline.step_points(runs)
+    assert {label for label, *_ in points} >= {"level5[cuda]", "level6[cuda]", "level7[cuda]"}
+    assert not any(label.startswith(("torch", "jax")) or "cpu" in label for label, *_ in points)
+    for label, index, x, y in points:
+        s = runs[index]["settings"]
+        assert x == flops_per_step(s["batch"], s["hidden"]) / bytes_per_step(s["batch"], s["hidden"]) and y > 0
+    def caption(figure) -> str:
+        return " ".join(" ".join(text.get_text() for text in figure.texts).split())
+
+    assert "the kernels are not measured yet" in caption(roofline.roofline(ceilings, runs))
+    product = {"m": 8, "n": 256, "k": 784}  # one product alone, made-up rates: for the arithmetic only
+    kernels = {"sizes": [{"products": [product], "step": {"cublas": {"gflops": 500.0}, "tiled": {"gflops": 90.0}}}]}
+    assert roofline.kernel_points(kernels) == [("cublas", 0, pytest.approx(2 * 8 * 256 * 784 / (4 * (8 * 784 + 784 * 256
+                                                + 8 * 256))), 500.0), ("tiled", 0, pytest.approx(3.84, rel=1e-2), 90.0)]
+    assert "and of each kernel (matmul_kernels.py)" in caption(roofline.roofline(ceilings, runs, kernels))

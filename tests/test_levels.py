@@ -1,11 +1,14 @@
 """Every level against level 1, the gold standard: one suite, parametrized over the list in common/levels.py.
 
 Run one chapter with `pytest -m level4`. GPU implementations skip with the reason where there is
-no GPU; `make test-gpu` (pytest --require-gpu) turns those skips into failures.
+no GPU; `make test-gpu` (pytest --require-gpu) turns those skips into failures. A level with variants (level 5's
+three matrix products, common/nets' list) is tested in each, as the harness runs each.
 """
 
 from __future__ import annotations
 
+import copy
+import pickle
 import subprocess
 import sys
 
@@ -14,27 +17,30 @@ import pytest
 import torch
 
 from common.classroom import sandbox
-from common.harness import verify
+from common.harness import compare, verify
 from common.harness.compare import epoch_order
-from common.levels import ROOT, level
+from common.levels import ROOT, THE_MLP, level
 from common.native import ffi
 from common.nets.mlp import PARAM_NAMES, init_params
 from conftest import (
     ALL,
+    IMPLEMENTATIONS,
     OWN_KERNELS,
+    each_variant,
     implementation_params,
     reference,
+    require,
     sanitize,
     train,
     twin,
 )
 
-# Against level 1's own runs: every implementation but level 1 on the CPU itself.
-chapter_against_level1 = pytest.mark.parametrize("impl", implementation_params())
+# Against level 1's own runs: every implementation but level 1 on the CPU itself, in each of its variants.
+chapter_against_level1 = pytest.mark.parametrize("impl", implementation_params(each_variant(IMPLEMENTATIONS)))
 # The same, and each a check of the level's row in the lab's grade (common/classroom/lab.py): all but the chapter's long runs.
-against_level1 = pytest.mark.parametrize("impl", implementation_params(graded=True))
+against_level1 = pytest.mark.parametrize("impl", implementation_params(each_variant(IMPLEMENTATIONS), graded=True))
 # Against torch autograd written from scratch, or against itself: every implementation, level 1 included.
-every_level = pytest.mark.parametrize("impl", implementation_params(ALL, graded=True))
+every_level = pytest.mark.parametrize("impl", implementation_params(each_variant(ALL), graded=True))
 
 # The chapter's run: the first 10,000 training images (all of them offline), batch 8, lr 0.01, 10 epochs.
 CHAPTER = {"epochs": 10, "batch": 8, "lr": 0.01}
@@ -304,17 +310,111 @@ rng = np.random.default_rng(0)
 X = rng.standard_normal((1030, 784)).astype(np.float32)
 y = rng.integers(0, 10, 1030)
 for hidden, batch in ((37, 13), (1, 1), (256, 8), (1024, 64)):
-    model = {package}.MLP(init_params(0, hidden))
+    model = {package}.MLP(init_params(0, hidden){options})
     model.train_epoch(X[:200], y[:200], batch, 0.1)
     model.forward(X)
     model.loss_and_grads(X[:13], y[:13])
 """
 
 
-@pytest.mark.parametrize("impl", implementation_params(OWN_KERNELS))
+@pytest.mark.parametrize("impl", implementation_params(each_variant(OWN_KERNELS)))
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])
 def test_kernels_are_clean_under_compute_sanitizer(impl, factory, tool):
     """An out-of-bounds access, a shared-memory race or a misused barrier need not change a single loss;
     compute-sanitizer's memcheck, racecheck and synccheck see them."""
-    lv, _ = impl
-    sanitize(tool, MEMCHECK_SCRIPT.format(package=lv.package))
+    lv, _, options = impl
+    sanitize(tool, MEMCHECK_SCRIPT.format(package=lv.package, options="".join(f", {k}={v!r}" for k, v in
+                                                                              options.items())))
+
+
+# ---- the matrix products: each level's own, and level 5's three kernels ----
+
+GPU5 = [pytest.mark.level5, pytest.mark.gpu]
+
+
+@pytest.mark.parametrize("number, device, default, other, refusal", [
+    pytest.param(4, "cpu", "loops", "tiled", "level 4's matrix product is its loops", marks=pytest.mark.level4,
+                 id="level4"),
+    pytest.param(5, "cuda", "naive", "cublas", "level 5's matrix products are naive, tiled and blocked", marks=GPU5,
+                 id="level5"),
+    pytest.param(6, "cuda", "cublas", "naive", "levels 6 and 7 compute their matrix products with cuBLAS",
+                 marks=[pytest.mark.level6, pytest.mark.gpu], id="level6"),
+    pytest.param(7, "cuda", "cublas", "blocked", "levels 6 and 7 compute their matrix products with cuBLAS",
+                 marks=[pytest.mark.level7, pytest.mark.gpu], id="level7"),
+])
+def test_each_level_reports_its_matrix_product_and_refuses_another(request, number, device, default, other, refusal):
+    """The default is read back from the library; a product the level has not is refused there, naming its own, and
+    one no level has is refused in Python first."""
+    require(level(number), device, request.config)
+    cls = level(number).load()
+    params = init_params(0, 16)
+    assert cls(params).matmul == default and cls(params, matmul=default).variant()["matmul"] == default
+    with pytest.raises(ValueError, match=refusal):
+        cls(params, matmul=other)
+    with pytest.raises(ValueError, match="matmul must be one of"):
+        cls(params, matmul="strassen")
+
+
+# Every (level, matrix product) the network list names, as the harness builds it.
+HARNESS_MATMULS = [pytest.param(number, matmul, marks=[getattr(pytest.mark, f"level{number}"), pytest.mark.gpu],
+                                id=f"level{number}-{matmul}")
+                   for number, matmuls in THE_MLP.matmuls for matmul in matmuls]
+
+
+@pytest.mark.parametrize("number, matmul", HARNESS_MATMULS)
+def test_the_harness_builds_each_variant_it_names(request, number, matmul):
+    """compare.factory hands the option to the level, and the model it builds reports (read back from its library)
+    the matrix product its row is named for; a copy and a pickle keep it."""
+    require(level(number), "cuda", request.config)
+    model = compare.factory(level(number), "cuda", THE_MLP, matmul=matmul)(init_params(0, 37))
+    assert model.variant() == {"device": "cuda", "matmul": matmul}
+    assert copy.deepcopy(model).matmul == matmul and pickle.loads(pickle.dumps(model)).matmul == matmul
+
+
+@pytest.mark.gpu
+@pytest.mark.level5
+@pytest.mark.parametrize("hidden, batch", [(37, 13), (1, 1), (256, 8), (100, 70), (1024, 64)])
+def test_level5s_three_kernels_give_the_same_bits(request, mnist, hidden, batch):
+    """Kernels 2 and 3 add each output's terms in kernel 1's order, one after another along the sum (past a tile's
+    edge only zeros times zeros, which add nothing), so every layer, gradient, loss and update is kernel 1's to the
+    bit. A kernel that drops a term, adds one twice or reads a tile before it is whole cannot be. Sizes that cut
+    tiles of 16 and 64 at every edge: hidden 37 and 100, batch 13 and 70, and 784 inputs (49 tiles of 16, 12.25 of 64)."""
+    require(level(5), "cuda", request.config)
+    params = trained_params(hidden, mnist)
+    X, y = mnist[0][: 3 * batch + 2], mnist[1][: 3 * batch + 2]  # three steps, then a partial one of 2 rows
+    runs = {}
+    for matmul in ("naive", "tiled", "blocked"):
+        model = level(5).load()(params, matmul=matmul)
+        outputs, grads = model.layers(X[:batch], y[:batch])
+        loss, gradients = model.loss_and_grads(X[:batch], y[:batch])
+        losses = model.train_epoch(X, y, batch, 0.05)
+        runs[matmul] = {**{f"layer {k}": v for k, v in outputs.items()}, **{f"d{k}": v for k, v in grads.items()},
+                        "loss": np.float32(loss), **{f"grad {k}": v for k, v in gradients.items()}, "losses": losses,
+                        **{f"trained {k}": v for k, v in model.state_dict().items()},
+                        "forward": model.forward(mnist[0][:1030])}  # across FORWARD_CHUNK
+    for matmul in ("tiled", "blocked"):
+        for name, value in runs["naive"].items():
+            np.testing.assert_array_equal(runs[matmul][name], value, err_msg=f"{matmul}: {name}")
+
+
+# The kernels of each product, by name as the profiler reports them.
+MATMUL_KERNELS = {"naive": {"linear_forward_kernel", "linear_backward_dw_kernel", "linear_backward_dx_kernel"},
+                  "tiled": {"matmul_tiled_kernel"}, "blocked": {"matmul_blocked_kernel"}}
+
+
+@pytest.mark.gpu
+@pytest.mark.level5
+def test_level5s_matmul_is_the_kernel_that_runs(request, mnist):
+    """The three kernels give the same bits (above), so a row is told apart by what it launches: the profiler sees a
+    product's own kernels in an epoch, and none of the others'."""
+    require(level(5), "cuda", request.config)
+    from torch.profiler import ProfilerActivity, profile
+
+    X, y = mnist[0][:16], mnist[1][:16]
+    everything = set().union(*MATMUL_KERNELS.values())
+    for matmul, own in MATMUL_KERNELS.items():
+        model = level(5).load()(init_params(0, 37), matmul=matmul)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            model.train_epoch(X, y, 8, 0.05)
+        launched = {e.name.split("(")[0].removeprefix("void ") for e in prof.events() if e.device_type.name == "CUDA"}
+        assert own <= launched and not (everything - own) & launched, f"{matmul}: {sorted(launched)}"

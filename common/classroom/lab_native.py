@@ -157,12 +157,13 @@ def layers(number: int, root: Path = ROOT):
     return {4: Level4Layers, 5: Level5Layers}[number](*load(number, root))
 
 
-def model(number: int, device: str, params: dict):
-    """A whole level's model (its row of the grade): level number's class on device, from params."""
+def model(number: int, device: str, params: dict, options: dict | None = None):
+    """A whole level's model (its row of the grade): level number's class on device, from params, with the options of
+    one of its variants (level 5's matrix product)."""
     from common.levels import level
 
     cls = level(number).load()
-    return cls(params, device=device) if number == 1 else cls(params)
+    return cls(params, device=device) if number == 1 else cls(params, **(options or {}))
 
 
 def owned_units(hidden: int, units: int, root: Path = ROOT) -> tuple[np.ndarray, np.ndarray]:

@@ -384,6 +384,8 @@ def stand_in_for_python_tasks() -> None:
             setattr(module, function, remote_function(name, function))
 
 
-def model_factory(number: int, device: str):
-    """params -> a stand-in for the submission's model of a level (its row of the grade), made by the worker."""
-    return lambda params: RemoteObject("common.classroom.lab_native:model", number, device, params, gpu=device == "cuda")
+def model_factory(number: int, device: str, options: dict[str, str] | None = None):
+    """params -> a stand-in for the submission's model of a level (its row of the grade), made by the worker, with
+    the options of one of the level's variants (level 5's matrix product)."""
+    return lambda params: RemoteObject("common.classroom.lab_native:model", number, device, params, options or {},
+                                       gpu=device == "cuda")

@@ -26,7 +26,7 @@ import numpy as np
 from common.contract import immutable
 from common.harness import compare
 from common.harness.data import load_mnist, normalize
-from common.levels import LEVELS, ROOT, gpu_available, missing
+from common.levels import LEVELS, ROOT, THE_MLP, gpu_available, missing
 from common.nets import get
 from common.nets.mlp import init_params
 
@@ -67,9 +67,10 @@ def profile_gpu(steps: int = 400) -> list[dict]:
         n = steps * batch  # the data set repeated as needed: only the timing matters here
         X = normalize(np.resize(data.train_images, (n, data.train_images.shape[1])))
         y = immutable(np.resize(data.train_labels, n))  # immutable, as in the harness: uploaded once, not every epoch
-        gpu_runs = [compare.Run(f"{lv.name}[cuda]", lv.number, "cuda", compare.factory(lv, "cuda"))
+        gpu_runs = [compare.Run(compare.row_label(lv, "cuda", options), lv.number, "cuda",
+                                compare.factory(lv, "cuda", **options))
                     for lv, device in compare.runs_for([lv.number for lv in LEVELS], gpu=True)
-                    if device == "cuda" and not missing(lv, "cuda")]
+                    if device == "cuda" and not missing(lv, "cuda") for options in THE_MLP.variants(lv.number)]
         for run in gpu_runs[:1] + compare.peer_runs("mlp") + gpu_runs[1:]:
             model = run.factory(init_params(0, hidden))
             model.train_epoch(X, y, batch, 0.01)  # warm-up and the one upload of the data set
@@ -99,7 +100,7 @@ def profile_gpu(steps: int = 400) -> list[dict]:
         )
         r = rows[-1]
         print(
-            f"{r['level']:<14} batch {batch:>3}, hidden {hidden:>4}: {r['wall_us_per_step']:7.1f} us/step = "
+            f"{r['level']:<22} batch {batch:>3}, hidden {hidden:>4}: {r['wall_us_per_step']:7.1f} us/step = "
             f"{gpu_us:7.1f} us of GPU work in {r['launches_per_step']:.2g} launches + {r['other_us_per_step']:7.1f} us "
             f"launch overhead and gaps; busiest: "
             + ", ".join(f"{name[:40]} {us:.1f} us" for name, us in r["top_kernels"])

@@ -52,7 +52,7 @@ class Run:
     level: int
     device: str
     factory: Callable  # params -> a fresh model of this implementation
-    asked: dict = field(default_factory=dict)  # what the run asked for: its device and options (a convolution)
+    asked: dict = field(default_factory=dict)  # what the run asked for: its device and options (a convolution, ...)
     ran: dict = field(default_factory=dict)  # what the trained model says it computed with (its variant())
     losses: list[float] = field(default_factory=list)
     epoch_seconds: list[float] = field(default_factory=list)  # of the first round, the run that is verified
@@ -82,12 +82,17 @@ def runs_for(numbers: list[int], gpu: bool) -> list[tuple[Level, str]]:
 
 
 def factory(lv: Level, device: str, network: Network = THE_MLP, **options) -> Callable:
-    """params -> a fresh model of the level for a network, given every option (a convolution); the levels that run
-    on either device (1, 8) also take their device (the others have one)."""
+    """params -> a fresh model of the level for a network, given every option (a convolution, a matrix product); the
+    levels that run on either device (1, 8) also take their device (the others have one)."""
     cls = lv.load(network)
     if lv.takes_device:
         return lambda params: cls(params, device=device, **options)
     return lambda params: cls(params, **options)
+
+
+def row_label(lv: Level, device: str, options: dict[str, str]) -> str:
+    """A row's name: the level, its device and its options' values, as in level5[cuda, tiled]."""
+    return f"{lv.name}[{', '.join([device, *options.values()])}]"
 
 
 def mismatch(asked: dict, ran: dict) -> str | None:
@@ -396,10 +401,8 @@ def main(argv: list[str] | None = None) -> int:
         if why := missing(lv, device, network):
             print(f"skipping {lv.name} ({lv.title}): {'; '.join(why)}")
             continue
-        for convolution in network.variants(lv.number):  # LeNet's levels 4 and 5 have two each
-            options = {"convolution": convolution} if convolution else {}
-            label = f"{lv.name}[{', '.join([device, *options.values()])}]"
-            runs.append(Run(label, lv.number, device, factory(lv, device, network, **options),
+        for options in network.variants(lv.number):  # LeNet's levels 4 and 5: two convolutions; the MLP's 5: three
+            runs.append(Run(row_label(lv, device, options), lv.number, device, factory(lv, device, network, **options),
                             {"device": device, **options}))
     absent = {}
     if gpu_available() and not args.no_peers:

@@ -19,7 +19,7 @@ import sys
 from cffi import FFI
 
 from common.levels import ROOT
-from level7_fused import results
+from common.harness import results
 
 ROUNDS = 20_000
 GRIDS = (16, 32, 128)  # blocks of a cooperative grid

@@ -20,7 +20,7 @@ from common.harness.data import load_mnist, normalize
 from common.levels import ROOT
 from common.native import NativeMLP, ffi
 from common.nets.mlp import init_params
-from level7_fused import results
+from common.harness import results
 
 PHASES = ("start of the step", "forward", "share of the logits", "the exchange's wait", "softmax and loss",
           "dW2, db2, dh", "dW1 and the updates")

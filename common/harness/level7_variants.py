@@ -19,7 +19,7 @@ import numpy as np
 
 from common.harness.data import load_mnist, normalize
 from common.nets.mlp import init_params
-from level7_fused import results
+from common.harness import results
 
 # setting: (images, batch, hidden, variants); a variant is the knobs it sets (level7_fused/mlp.cu's opening comment)
 SETTINGS = {

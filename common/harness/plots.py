@@ -27,10 +27,16 @@ COLOURS = {
 WINDOW = 50  # steps in the free run's rolling mean
 
 
+# The variants of one level (LeNet's convolutions, the MLP's matrix products) in its colour: as it is, a lighter tint, a
+# darker shade, a paler tint. Each (the colour's share, white's share).
+VARIANT_MIX = ((1.0, 0.0), (0.55, 0.45), (0.65, 0.0), (0.3, 0.7))
+
+
 def colour(label: str, variant: int = 0) -> str:
-    """The implementation's colour (level4[cpu, im2col]: level 4's); a second variant of one level is a lighter tint."""
+    """The implementation's colour (level4[cpu, im2col]: level 4's); a level's further variants in tints and shades."""
     base = COLOURS.get(label.split("[")[0], "#000000")
-    return base if variant == 0 else matplotlib.colors.to_hex(0.55 * np.array(matplotlib.colors.to_rgb(base)) + 0.45)
+    own, white = VARIANT_MIX[min(variant, len(VARIANT_MIX) - 1)]
+    return matplotlib.colors.to_hex(own * np.array(matplotlib.colors.to_rgb(base)) + white)
 
 
 def colours(labels: list[str]) -> dict[str, str]:

@@ -1,4 +1,5 @@
-"""Where level 7's measuring scripts (floors, phases, variants) keep what they measured: results/<tag>/<name>."""
+"""Where the measuring scripts (level 7's floors, phases and variants; the matrix-product kernels) keep what they
+measured: results/<tag>/<name>."""
 
 from __future__ import annotations
 

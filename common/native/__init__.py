@@ -238,7 +238,35 @@ class NativeModel:
 
 
 class NativeMLP(NativeModel):
-    """The MLP over mlp.h: four pointers for the four parameters."""
+    """The MLP over mlp.h: four pointers for the four parameters, and the level's choice of matrix product."""
+
+    # mlp.h's MLP_MATMUL_*: the kernels of level 5's lesson, numbered from cuBLAS's (kernel 0), and level 4's loops
+    MATMULS = ("cublas", "naive", "tiled", "blocked", "loops")
+
+    def __init__(self, params: dict[str, np.ndarray], matmul: str | None = None):
+        """matmul: one of the level's matrix products (level 5: "naive", "tiled" or "blocked"); None: its default."""
+        if matmul is not None and matmul not in self.MATMULS:
+            raise ValueError(f"matmul must be one of {self.MATMULS}, got {matmul!r}")
+        super().__init__(params)
+        if matmul is not None:  # one this level has not is refused by the library, which names its own
+            self._check(self.lib.mlp_set_matmul(self._handle(), self.MATMULS.index(matmul)), refused=ValueError)
+
+    @property
+    def matmul(self) -> str:
+        """The matrix product the library computes with, read back from it (not from the argument)."""
+        chosen = ffi.new("int *")
+        with self._lock:
+            self._check(self.lib.mlp_get_matmul(self._handle(), chosen))
+        return self.MATMULS[chosen[0]]
+
+    def variant(self) -> dict[str, str]:
+        return {**super().variant(), "matmul": self.matmul}
+
+    def __copy__(self) -> NativeMLP:
+        return type(self)(self.state_dict(), self.matmul)
+
+    def __reduce__(self):
+        return type(self), (self.state_dict(), self.matmul)
 
     def layers(self, X: np.ndarray, y: np.ndarray) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         """Every layer's output for a batch, and the gradient of the batch's mean loss with respect to each."""

@@ -4,7 +4,8 @@
  * Included by level5_cuda_naive/mlp.cu (hand-written matrix products) and level6_cublas/mlp.cu
  * (cuBLAS). Each of them defines, after the include, the hooks declared below:
  *   linear_forward, linear_backward - the matrix products, the one thing the two levels teach
- *   level_create, level_destroy     - the level's own state (level 6: its cuBLAS handle)
+ *   check_matmul                    - which of mlp.h's matrix products the level has
+ *   level_create, level_destroy     - the level's own state (level 6: its cuBLAS handle) and its default product
  * so diffing the two levels shows only the matrix products. Level 7 (level7_fused/mlp.cu) is level 6
  * with its own epoch: it defines LEVEL_TRAINS_ITS_OWN_EPOCH and the hooks train_steps, free_epoch_state.
  *
@@ -38,6 +39,7 @@
 struct mlp {
     int n_in, hidden, n_out;
     cudaStream_t stream; /* all the model's work, in order */
+    int matmul;          /* how the level computes its matrix products (mlp.h's MLP_MATMUL_*), set by level_create */
     void *level_state;   /* the level's own state: level 6's cuBLAS handle, NULL at level 5 */
     /* Everything below is in device memory. */
     float *w1, *b1, *w2, *b2;     /* parameters, PyTorch layouts: (hidden, n_in) (hidden) (n_out, hidden) (n_out) */
@@ -96,7 +98,10 @@ static int linear_forward(mlp *m, float *out, const float *x, const float *w, in
  * The bias gradient is bias_backward's. */
 static int linear_backward(mlp *m, float *dx, float *dw, const float *dout, const float *x, const float *w, int B,
                            int n_in, int n_out);
-/* Set up and free the level's own state, m->level_state; level_destroy accepts a half-made model. */
+/* Whether the level has this matrix product (mlp.h's MLP_MATMUL_*): MLP_OK, or MLP_ERR_ARG naming the ones it has. */
+static int check_matmul(int matmul);
+/* Set up and free the level's own state, m->level_state, and set m->matmul to the level's default product;
+ * level_destroy accepts a half-made model. */
 static int level_create(mlp *m);
 static int level_destroy(mlp *m);
 
@@ -578,6 +583,20 @@ int mlp_layers(mlp *m, float *outputs, float *grads, const float *x, const int *
         CUDA_CHECK(cudaMemcpyAsync(grads + offsets[i], layers[i][1], sizeof(float) * sizes[i], down, m->stream));
     }
     CUDA_CHECK(cudaStreamSynchronize(m->stream));
+    return MLP_OK;
+}
+
+int mlp_set_matmul(mlp *m, int matmul) {
+    if (!m) return FAIL(MLP_ERR_ARG, "NULL argument");
+    const int status = check_matmul(matmul);
+    if (status) return status;
+    m->matmul = matmul;
+    return MLP_OK;
+}
+
+int mlp_get_matmul(mlp *m, int *matmul) {
+    if (!m || !matmul) return FAIL(MLP_ERR_ARG, "NULL argument");
+    *matmul = m->matmul;
     return MLP_OK;
 }
 

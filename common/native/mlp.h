@@ -57,6 +57,19 @@ int mlp_loss_and_grads(mlp *m, float *loss, float *dw1, float *db1, float *dw2, 
  * (n, 10), one after the other (common.nets.mlp.ACTIVATIONS). Parameters unchanged. */
 int mlp_layers(mlp *m, float *outputs, float *grads, const float *x, const int *y, int n);
 
+/* How a level computes its matrix products, numbered as the kernels of level 5's lesson, cuBLAS first as the
+ * reference they are measured against (common/harness/matmul_kernels.py). Each level has its own: level 4 loops in C,
+ * level 5 kernels 1 to 3 (naive by default), levels 6 and 7 cuBLAS (level 7's fused epoch: its own, in its kernel).
+ * One the level has not is refused with MLP_ERR_ARG. */
+#define MLP_MATMUL_CUBLAS 0  /* kernel 0: cuBLAS's sgemm, the reference */
+#define MLP_MATMUL_NAIVE 1   /* kernel 1: one thread per output, its row and column read from global memory */
+#define MLP_MATMUL_TILED 2   /* kernel 2: a block stages tiles of both operands in shared memory */
+#define MLP_MATMUL_BLOCKED 3 /* kernel 3: each thread a block of outputs, from registers fed by shared memory */
+#define MLP_MATMUL_LOOPS 4   /* level 4's loops in C, on the CPU */
+int mlp_set_matmul(mlp *m, int matmul);
+/* The matrix product the model computes with, read back from the model (*matmul: MLP_MATMUL_NAIVE, ...). */
+int mlp_get_matmul(mlp *m, int *matmul);
+
 /* Copy a training set into the model (on a GPU: upload it once, for many epochs). */
 int mlp_set_data(mlp *m, const float *x, const int *y, int n);
 

@@ -59,3 +59,23 @@ def flops_per_step(batch: int, hidden: int) -> int:
     (no gradient for the input pixels). The elementwise work is negligible beside these.
     """
     return 2 * batch * hidden * (2 * N_IN + 3 * N_OUT)
+
+
+def bytes_per_step(batch: int, hidden: int) -> int:
+    """The bytes a step moves to and from memory when each of its kernels, queued one after another as at levels 5 and
+    6, reads each of its inputs and writes each of its outputs once (float32, and int32 labels and order): a step's
+    least traffic unfused. (Level 7's fused epoch keeps activations, and the weights between steps, on chip.)"""
+    B, H, I, O = batch, hidden, N_IN, N_OUT
+    x, h, z, w1, w2 = B * I, B * H, B * O, H * I, O * H  # the batch, a hidden layer's values, the logits, the weights
+    moved = {  # each kernel's inputs + outputs, in 4-byte elements
+        "gather": (B + x + B) + (x + B),  # the order, the data set's rows and labels; the batch
+        "fc1": (x + w1) + h, "+ b1": (h + H) + h, "ReLU": h + h,
+        "fc2": (h + w2) + z, "+ b2": (z + O) + z,
+        "softmax, loss": (z + B) + (z + B) + (B + 1),  # probabilities and each row's loss, then their mean
+        "dlogits": (z + B) + z,
+        "dW2": (z + h) + w2, "da": (z + w2) + h, "db2": z + O,
+        "ReLU backward": (h + h) + h,
+        "dW1": (h + x) + w1, "db1": h + H,
+        "SGD": 3 * (w1 + H + w2 + O),  # each parameter and its gradient read, the parameter written
+    }
+    return 4 * sum(moved.values())
