@@ -64,6 +64,11 @@ class Model:
             be.write(losses, step, loss.data)  # on the GPU the losses stay there until the epoch ends
         return be.to_numpy(losses)
 
+    def variant(self) -> dict[str, str]:
+        """What this model computes with, read from it: the device of its parameters' backend, its optimizer."""
+        optimizer = next(name for name, cls in OPTIMIZERS.items() if type(self.optimizer) is cls)
+        return {"device": self.net.parameters()[0].backend.device, "optimizer": optimizer}
+
     def loss_and_grads(self, X: np.ndarray, y: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
         """Mean cross-entropy of one batch and its gradients; parameters unchanged."""
         X = check_X(X)

@@ -326,6 +326,6 @@ def test_gpu_kernels_are_clean_under_compute_sanitizer(request, tool, number):
 
 
 def test_the_network_list_names_each_networks_parts():
-    assert LENET.network is lenet and LENET.levels == (1, 2, 3, 4, 5, 6, 7)
+    assert LENET.network is lenet and LENET.levels == (1, 2, 3, 4, 5, 6, 7, 8)
     assert LENET.float64_step() is verify_lenet.LeNetStep and LENET.per_layer_check() is verify_lenet.per_layer
     assert "no network 'resnet'" in str(pytest.raises(KeyError, get, "resnet").value)
