@@ -1,4 +1,5 @@
-"""The chapters: each runs from top to bottom, its committed outputs are current, and its exercises name real code.
+"""The chapters: each runs from top to bottom, its committed outputs are current, its exercises name real code and say
+how to check them, and the teachers' answers (answers/, not in the student edition) cover every exercise and question.
 
 The chapters are found by glob (common.book.make.CHAPTERS), so a new one is tested without editing this file. Each test is
 marked `notebooks` and its level's marker (from the folder name, levelN_...), so `pytest -m level3` also runs level 3's
@@ -113,6 +114,64 @@ def test_exercises_name_code_that_exists(path: Path):
             lines = {line.strip() for line in source.splitlines()}
             assert target["line"].strip() in lines, (f"{path.relative_to(ROOT)}: {target['file']}'s {target['name']} has "
                                                      f"no line `{target['line']}`")
+
+
+# Every chapter ends with exercises a student can check and a short questionnaire, in two sections numbered 1, 2, ...:
+#   ## Exercises        1. **Title.** What to change or run ... and, indented in the item, a line "Check: ..." that
+#                          says how the student knows the answer: a test to run, an output to read, an expected range
+#   ## Check yourself   1. A question the chapter's text answers.
+# The teachers' worked answers are in answers/<chapter>.md, under the same two headings, one "### N." per item.
+MIN_EXERCISES = 5
+QUESTIONS = range(5, 9)
+ITEM = re.compile(r"^(\d+)\. ", re.M)
+CHECK = re.compile(r"^\s+Check: \S", re.M)
+ANSWER = re.compile(r"^### (\d+)\. \S.*\n+(?P<body>(?:(?!#).*\S.*\n?)+)", re.M)
+
+
+def section(text: str, heading: str) -> str:
+    """The Markdown under `## heading`, up to the next heading of that level (empty when there is none)."""
+    match = re.search(rf"^## {re.escape(heading)}\n(?P<body>.*?)(?=^## |\Z)", text, re.M | re.S)
+    return match["body"] if match else ""
+
+
+def items(text: str) -> dict[int, str]:
+    """A section's numbered items (a line starting "N. "), number -> the item's text."""
+    starts = list(ITEM.finditer(text))
+    return {int(m[1]): text[m.start() : nxt.start() if nxt else len(text)] for m, nxt in zip(starts, starts[1:] + [None])}
+
+
+def answers_file(path: Path) -> Path:
+    """The teachers' answers of a chapter: answers/level3.md for level3_numpy/chapter.ipynb, answers/level3b.md for
+    level3_numpy/chapter_lenet.ipynb."""
+    return ROOT / "answers" / f"{path.parent.name.split('_')[0]}{'' if path.stem == 'chapter' else 'b'}.md"
+
+
+@pytest.mark.parametrize("path", chapter_params())
+def test_every_chapter_ends_with_exercises_to_check_and_a_questionnaire(path: Path):
+    text, name = markdown(path), path.relative_to(ROOT)
+    exercises = items(section(text, "Exercises"))
+    assert len(exercises) >= MIN_EXERCISES, f"{name} has {len(exercises)} numbered exercises, fewer than {MIN_EXERCISES}"
+    assert list(exercises) == list(range(1, len(exercises) + 1)), f"{name}: exercises numbered {list(exercises)}"
+    unchecked = [n for n, item in exercises.items() if not CHECK.search(item)]
+    assert not unchecked, f"{name}: exercises {unchecked} have no line 'Check: ...' saying how to check the answer"
+    last = "".join(json.loads(path.read_text())["cells"][-1]["source"])
+    assert last.startswith("## Check yourself\n"), f"{name} does not end with its '## Check yourself' questionnaire"
+    questions = items(section(text, "Check yourself"))
+    assert len(questions) in QUESTIONS and list(questions) == list(range(1, len(questions) + 1)), \
+        f"{name}: 'Check yourself' has questions {list(questions)}, not 1 to 5-8"
+
+
+@pytest.mark.parametrize("path", chapter_params())
+def test_the_teachers_answers_cover_every_exercise_and_question(path: Path):
+    if (ROOT / MARKER).exists():
+        pytest.skip("the student edition has no answers/: they are the teacher's")
+    text, answers = markdown(path), answers_file(path)
+    assert answers.is_file(), f"{path.relative_to(ROOT)} has no teachers' answers: write {answers.relative_to(ROOT)}"
+    for heading in ("Exercises", "Check yourself"):
+        asked = set(items(section(text, heading)))
+        answered = [int(m[1]) for m in ANSWER.finditer(section(answers.read_text(), heading))]
+        assert sorted(answered) == sorted(asked) and len(answered) == len(set(answered)), \
+            f"{answers.relative_to(ROOT)}, '## {heading}': answers {answered}, but the chapter has {sorted(asked)}"
 
 
 def test_a_capture_is_stale_once_a_source_it_quotes_changes(tmp_path):

@@ -316,9 +316,10 @@ def strip_file(path: Path) -> str:
 # ---- the student edition ----
 
 # Not for students: the bugs list and the lab's own tests hold the correct lines, the held-out checks are the teacher's,
-# and the results quote lines of solutions (the chapters say where a result is missing).
+# the results quote lines of solutions (the chapters say where a result is missing), and answers/ holds the worked
+# answers to the chapters' exercises and questions.
 WITHHELD = ("tests/plant_bugs.py", "tests/test_labs.py", "tests/test_sandbox.py", "tests/test_holdout.py",
-            "tests/lab_submissions.py", "results/")
+            "tests/lab_submissions.py", "results/", "answers/")
 MARKER = "LAB_EDITION"  # at the edition's root: common/__init__.py refuses code imported from anywhere else
 MARKER_TEXT = """This folder is a student edition of the course, made by `make lab`.
 Python code run here must import this folder's modules (common/__init__.py checks it).
