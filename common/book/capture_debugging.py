@@ -1,8 +1,9 @@
 """The GPU chapter's debugging and profiling section, captured for real on a GPU machine.
 
     python3 -m common.book.capture_debugging [--tag h100]      # writes results/<tag>/debugging/
+    python3 -m common.book.capture_debugging --only framework_timeline   # one capture (or several, comma-separated)
 
-What it records, each into a text file the level 5 chapter shows:
+What it records, each into a text file the level 5 chapter shows (the last one, level 8's):
   memcheck.txt     compute-sanitizer memcheck on a planted out-of-bounds kernel (a bounds check dropped): the
                    losses do not change, the tool names the kernel, the thread and the address;
   racecheck.txt    compute-sanitizer racecheck on a planted race (a __syncthreads removed from a reduction);
@@ -13,7 +14,9 @@ What it records, each into a text file the level 5 chapter shows:
   ncu.txt          Nsight Compute on level 5's naive forward kernel and on cuBLAS's, side by side: sectors per
                    request (coalescing), memory and compute throughput;
   ceilings.json    this GPU's measured FP32 matrix-product rate and device-memory bandwidth, the ceilings beside
-                   every GFLOP/s figure of the chapters.
+                   every GFLOP/s figure of the chapters;
+  framework_timeline.txt   one training step of level 8 on the GPU, of level 6 (the same kernels called by hand) and
+                   of PyTorch eager, as timelines of GPU work (level 8's chapter).
 The bugs are planted in scratch copies of the repository (tests/plant_bugs.py's scratch_copy); nothing here changes
 the working tree. sources.json records the sources each capture quotes (common.book.make.write_capture), so the chapter that
 shows them is stale once one of those changes.
@@ -106,42 +109,75 @@ def capture_async_error(folder: Path) -> None:
     shutil.rmtree(repo.parent)
 
 
-def capture_timeline(folder: Path) -> None:
-    """One step of levels 5, 6 and 7 (batch 8, hidden 256) as GPU work on a time line, from torch.profiler: each
-    level's chapter shows its own."""
+def step_timeline(name: str, model, X, y) -> list[str]:
+    """One training step of a model (batch 8) as GPU work on a time line, from torch.profiler: each kernel's start,
+    length and the gap before it, after one untimed epoch."""
     import numpy as np
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    model.train_epoch(X, y, 8, 0.01)  # warm-up
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        model.train_epoch(X, y, 8, 0.01, np.arange(8, dtype=np.int32))  # one step
+    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
+    t0, end = events[0].time_range.start, events[0].time_range.start
+    lines = [f"{name}: one step, batch 8, hidden 256 ({len(events)} pieces of GPU work)",
+             f"{'start us':>9} {'length us':>10} {'gap before us':>14}  kernel"]
+    for e in events:
+        lines.append(f"{e.time_range.start - t0:9.1f} {e.time_range.end - e.time_range.start:10.1f} "
+                     f"{max(0.0, e.time_range.start - end):14.1f}  {e.name[:70]}")
+        end = max(end, e.time_range.end)
+    busy = sum(e.time_range.end - e.time_range.start for e in events)
+    return lines + [f"first start to last end {end - t0:.1f} us, of which the GPU computed {busy:.1f} us\n"]
+
+
+def timeline_data():
+    """The batches the timelines train on: 64 seeded images and labels, immutable (uploaded once)."""
+    import numpy as np
+
+    from common.contract import immutable
+
+    rng = np.random.default_rng(0)
+    return immutable(rng.standard_normal((64, 784)).astype(np.float32)), immutable(rng.integers(0, 10, 64))
+
+
+def capture_timeline(folder: Path) -> None:
+    """One step of levels 5, 6 and 7 (batch 8, hidden 256) as a timeline of GPU work: each level's chapter shows its
+    own."""
     import level5_cuda_naive
     import level6_cublas
     import level7_fused
-    from common.contract import immutable
     from common.nets.mlp import init_params
 
-    rng = np.random.default_rng(0)
-    X, y = immutable(rng.standard_normal((64, 784)).astype(np.float32)), immutable(rng.integers(0, 10, 64))
+    X, y = timeline_data()
     lines = []
     for name, cls in (("level5", level5_cuda_naive.MLP), ("level6", level6_cublas.MLP), ("level7", level7_fused.MLP)):
-        model = cls(init_params(0))
-        model.train_epoch(X, y, 8, 0.01)  # warm-up
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            model.train_epoch(X, y, 8, 0.01, np.arange(8, dtype=np.int32))  # one step
-        events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                        key=lambda e: e.time_range.start)
-        t0, end = events[0].time_range.start, events[0].time_range.start
-        lines.append(f"{name}: one step, batch 8, hidden 256 ({len(events)} pieces of GPU work)")
-        lines.append(f"{'start us':>9} {'length us':>10} {'gap before us':>14}  kernel")
-        for e in events:
-            lines.append(f"{e.time_range.start - t0:9.1f} {e.time_range.end - e.time_range.start:10.1f} "
-                         f"{max(0.0, e.time_range.start - end):14.1f}  {e.name[:70]}")
-            end = max(end, e.time_range.end)
-        busy = sum(e.time_range.end - e.time_range.start for e in events)
-        lines.append(f"first start to last end {end - t0:.1f} us, of which the GPU computed {busy:.1f} us\n")
+        lines += step_timeline(name, cls(init_params(0)), X, y)
     nsys = shutil.which("nsys")
-    lines.append(f"Nsight Systems: {'found at ' + nsys if nsys else 'not on this machine (torch.profiler reads the same CUPTI timestamps)'}")
+    where = f"found at {nsys}" if nsys else "not on this machine (torch.profiler reads the same CUPTI timestamps)"
+    lines.append(f"Nsight Systems: {where}")
     write_capture(folder / "timeline.txt", "\n".join(lines) + "\n",
                   [*LEVEL5, "level6_cublas/mlp.cu", "level7_fused/mlp.cu"])
+
+
+def capture_framework_timeline(folder: Path) -> None:
+    """One step of level 8 on the GPU beside level 6's (the same kernels, called by hand) and PyTorch eager's, as
+    timelines of GPU work: the framework's own chapter shows them."""
+    import level6_cublas
+    import level8_framework
+    from common.nets.mlp import init_params
+    from level1_pytorch.peers import Eager
+
+    X, y = timeline_data()
+    lines = []
+    for name, model in (("level6", level6_cublas.MLP(init_params(0))), ("torch-eager", Eager(init_params(0))),
+                        ("level8", level8_framework.MLP(init_params(0), device="cuda"))):
+        lines += step_timeline(name, model, X, y)
+    write_capture(folder / "framework_timeline.txt", "\n".join(lines) + "\n",
+                  [*LEVEL5, "level6_cublas/mlp.cu", "level8_framework/ops.cu", "level8_framework/cuda.py",
+                   "level8_framework/tensor.py", "level8_framework/nn.py", "level8_framework/optim.py",
+                   "level8_framework/mlp.py"])
 
 
 def capture_ncu(folder: Path) -> None:
@@ -199,13 +235,22 @@ def capture_ceilings(folder: Path) -> None:
     (folder / "ceilings.json").write_text(json.dumps(ceilings, indent=1) + "\n")
 
 
+CAPTURES = {"ceilings": capture_ceilings, "timeline": capture_timeline,
+            "framework_timeline": capture_framework_timeline, "ncu": capture_ncu, "sanitizers": capture_sanitizers,
+            "async_error": capture_async_error}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tag", default="h100")
+    p.add_argument("--only", default=None, help=f"comma-separated captures, of {', '.join(CAPTURES)} (default: all)")
     args = p.parse_args()
     folder = ROOT / "results" / args.tag / "debugging"
     folder.mkdir(parents=True, exist_ok=True)
-    for capture in (capture_ceilings, capture_timeline, capture_ncu, capture_sanitizers, capture_async_error):
+    chosen = args.only.split(",") if args.only else list(CAPTURES)
+    if unknown := [name for name in chosen if name not in CAPTURES]:
+        p.error(f"no capture {unknown[0]!r}: the captures are {', '.join(CAPTURES)}")
+    for capture in (CAPTURES[name] for name in chosen):
         start = time.perf_counter()
         capture(folder)
         print(f"{capture.__name__}: {time.perf_counter() - start:.0f} s", flush=True)
