@@ -9,18 +9,19 @@ step against the levels that write the step by hand.
    launch through the library on the GPU); level 8's relu with the graph off (no_grad); level 8's relu recording its
    node, its input requiring grad as in training; and PyTorch's torch.relu on a tensor that requires grad. The
    framework's cost per operation is the third minus the first. On the GPU a call only queues its kernel: the time is
-   the host's, per call, with the queue drained at the end of each repeat.
+   the host's, per call, with the queue drained at the end of each part.
 2. One training step of the MLP at the chapter's size (784-256-10, batch 8, real MNIST): each implementation's
    train_epoch over STEPS batches, per step. On the CPU level 8 against level 3 (the same functions, called by hand)
    and level 1; on the GPU level 8 against PyTorch eager (torch-eager) and level 6. Each is verified before it is
    timed: those STEPS steps in lockstep with level 1 (common/harness/verify.py), as make compare verifies a level.
 
-Every time is the median of REPEATS repeats, each after one untimed warm-up, taken in rounds over the rows (a
-disturbance of the machine lands on several rows, not on one); with its range. A row whose slowest repeat is more than
-STEADY_RATIO times its fastest is flagged unsteady and its time is not published. Everything runs on one CPU thread
-(OpenBLAS's and PyTorch's): a batch of 8 is too small for threads to help, and one thread is what a shared machine
-gives steadily. The machine's load average is recorded before and after. Writes results/<tag>/framework-cost.json and
-framework-cost.md.
+On the CPU every time is the thread's CPU time (time.thread_time): all the work runs on the calling thread, and the
+time the machine's other processes run instead is not counted (the load average is recorded before and after). On
+the GPU it is wall time, which includes the waits for the device. Every time is the median of REPEATS repeats, each
+the median of PARTS parts, after one untimed warm-up, taken in rounds over the rows (a disturbance of the machine
+lands on several rows, not on one); with its range. A row whose slowest repeat is more than STEADY_RATIO times its
+fastest is flagged unsteady and its time is not published. Everything runs on one CPU thread (OpenBLAS's and
+PyTorch's): a batch of 8 is too small for threads to help. Writes results/<tag>/framework-cost.json and .md.
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ REPEATS, PARTS = 7, 10  # each repeat the median of PARTS parts of its calls or 
 BATCH, HIDDEN, LR = 8, 256, 0.01  # the chapter's run
 STEADY_RATIO = compare.STEADY_RATIO  # a row's slowest repeat at most this many times its fastest
 OP_ROWS = ("backend function", "level 8, no graph", "level 8, recording", "PyTorch, recording")
+
+
+CLOCKS = {"cpu": (time.thread_time, "the thread's CPU time"), "cuda": (time.perf_counter, "wall time")}
 
 
 def devices() -> list[str]:
@@ -101,19 +105,20 @@ def op_calls(device: str) -> dict[str, tuple[Callable, Callable, object, str]]:
     }
 
 
-def op_timer(call: Callable, wait: Callable, context: Callable, calls: int, parts: int) -> Callable[[], float]:
-    """() -> seconds per call: `calls` calls in a row inside context(), in `parts` parts, each timed with the
-    device's queue drained before and after; the median part's."""
+def op_timer(call: Callable, wait: Callable, context: Callable, calls: int, parts: int,
+             clock: Callable[[], float]) -> Callable[[], float]:
+    """() -> seconds per call: `calls` calls in a row inside context(), in `parts` parts, each timed by `clock` with
+    the device's queue drained before and after; the median part's."""
     def timer() -> float:
         seconds = []
         with context():
             for _ in range(parts):
                 wait()
-                start = time.perf_counter()
+                start = clock()
                 for _ in range(calls // parts):
                     call()
                 wait()
-                seconds.append((time.perf_counter() - start) / (calls // parts))
+                seconds.append((clock() - start) / (calls // parts))
         return float(np.median(seconds))
     return timer
 
@@ -123,14 +128,14 @@ def measure_ops(device: str, calls: int = CALLS, repeats: int = REPEATS, parts: 
     backend's function, medians; None where either row is unsteady)."""
     ways = op_calls(device)
     with verify.torch_threads(1):
-        times = in_rounds({label: op_timer(call, wait, context, calls, parts) for label, (call, wait, context, _)
-                           in ways.items()}, repeats)
+        times = in_rounds({label: op_timer(call, wait, context, calls, parts, CLOCKS[device][0])
+                           for label, (call, wait, context, _) in ways.items()}, repeats)
     rows = [row(label, times[label], ran=ways[label][3]) for label in OP_ROWS]
     by = {r["label"]: r["us"] for r in rows}
     cost = by["level 8, recording"] - by["backend function"] if None not in (by["level 8, recording"],
                                                                           by["backend function"]) else None
-    return {"device": device, "op": f"relu of a ({BATCH}, {HIDDEN}) tensor", "calls": calls, "rows": rows,
-            "framework_us_per_op": cost}
+    return {"device": device, "clock": CLOCKS[device][1], "op": f"relu of a ({BATCH}, {HIDDEN}) tensor",
+            "calls": calls, "rows": rows, "framework_us_per_op": cost}
 
 
 # ---- 2. one training step ----
@@ -151,15 +156,16 @@ def step_factories(device: str) -> dict[str, Callable]:
     return {**factories, f"level8[{device}]": compare.factory(level(8), device)}
 
 
-def step_timer(model, data, order: np.ndarray, batch: int, parts: int) -> Callable[[], float]:
-    """() -> seconds per step: the steps of `order` as `parts` epochs, each timed (train_epoch returns its losses in
-    host memory: the device is done when it returns); the median epoch's."""
+def step_timer(model, data, order: np.ndarray, batch: int, parts: int,
+               clock: Callable[[], float]) -> Callable[[], float]:
+    """() -> seconds per step: the steps of `order` as `parts` epochs, each timed by `clock` (train_epoch returns its
+    losses in host memory: the device is done when it returns); the median epoch's."""
     def timer() -> float:
         seconds = []
         for rows in np.array_split(order, parts):
-            start = time.perf_counter()
+            start = clock()
             model.train_epoch(*data, batch, LR, rows)
-            seconds.append((time.perf_counter() - start) / len(range(0, len(rows), batch)))
+            seconds.append((clock() - start) / len(range(0, len(rows), batch)))
         return float(np.median(seconds))
     return timer
 
@@ -180,12 +186,13 @@ def measure_steps(device: str, data, steps: int = STEPS, batch: int = BATCH, hid
                                  f"{diverged or record.failure}")
     models = {label: make(params) for label, make in factories.items()}
     with verify.torch_threads(1):
-        times = in_rounds({label: step_timer(model, data, order, batch, parts) for label, model in models.items()},
-                          repeats)
+        times = in_rounds({label: step_timer(model, data, order, batch, parts, CLOCKS[device][0])
+                           for label, model in models.items()}, repeats)
     rows = [row(label, times[label], ran=models[label].variant(),
                 lockstep_used=records[label].summary()["max_used"] if label in records else None)
             for label in factories]
-    return {"device": device, "batch": batch, "hidden": hidden, "steps": steps, "rows": rows}
+    return {"device": device, "clock": CLOCKS[device][1], "batch": batch, "hidden": hidden, "steps": steps,
+            "rows": rows}
 
 
 # ---- the files ----
@@ -211,7 +218,8 @@ def markdown(record: dict) -> str:
               f"median of {record['repeats']} repeats (range); a row whose repeats are more than {STEADY_RATIO}x "
               "apart is unsteady, its time not published."), ""]
     for ops in record["ops"]:
-        lines += [f"One operation on {ops['device']}, {ops['op']}, {ops['calls']:,} calls in a row:", "",
+        lines += [f"One operation on {ops['device']}, {ops['op']}, {ops['calls']:,} calls in a row ({ops['clock']}):",
+                  "",
                   "| way | us per call (range) |", "|---|---:|"]
         lines += [f"| {r['label']} | {_us(r)} |" for r in ops["rows"]]
         cost = ops["framework_us_per_op"]
@@ -220,8 +228,9 @@ def markdown(record: dict) -> str:
     for steps in record["steps"]:
         ours = next(r["us"] for r in steps["rows"] if r["label"].startswith("level8"))
         lines += [(f"One training step on {steps['device']}, batch {steps['batch']}, hidden {steps['hidden']} "
-                   f"({steps['steps']} steps per repeat, each implementation first verified in lockstep with level 1 "
-                   "over them):"), "", "| implementation | us per step (range) | level 8's time over it | lockstep |",
+                   f"({steps['clock']}; {steps['steps']} steps per repeat, each implementation first verified in "
+                   "lockstep with level 1 over them):"), "",
+                  "| implementation | us per step (range) | level 8's time over it | lockstep |",
                   "|---|---:|---:|---:|"]
         lines += [f"| {r['label']} | {_us(r)} | {ratio(ours, r['us'])} | "
                   f"{'-' if r['lockstep_used'] is None else format(r['lockstep_used'], '.2f')} |"
