@@ -52,7 +52,8 @@ class Network:
         return dict(self.convolutions).get(number, (None,))
 
     def float64_step(self):
-        """The class of its float64 step: (params, x, y, lr) -> the step, with the ties that explain a level's."""
+        """The class of its float64 step: (params, x, y, lr[, optimizer, level 1's state]) -> the step, with the ties
+        that explain a level's."""
         return _attribute(self.step)
 
     def per_layer_check(self):
