@@ -420,7 +420,8 @@ class NudgedAdam(AdamLevel1):
         # its update from them barely moves); a parameter in a random direction
         direction = expected[self.tensor] if key in MOMENTS else \
             np.random.default_rng(0).standard_normal(expected[self.tensor].shape)
-        moved = (expected[self.tensor] + self.share * allowed * direction / np.linalg.norm(direction)).astype(np.float32)
+        moved = expected[self.tensor] + self.share * allowed * direction / np.linalg.norm(direction)
+        moved = moved.astype(np.float32)
         if key in MOMENTS:
             after_state[name][key] = moved
             self.inner.load_optimizer_state(after_state)
@@ -447,7 +448,7 @@ def test_each_tensors_update_and_moments_rule_with_adam(adam_start, batches, net
 
 
 def stated_fc2_bias_reach(params, x, y) -> tuple[np.ndarray, np.ndarray]:
-    """(the gradient of the MLP's fc2.bias in float64, R: float32's reach on it, as the module's docstring states it)."""
+    """(the gradient of the MLP's fc2.bias in float64, R: float32's reach on it, as the module's docstring says)."""
     def gamma(n):
         return n * U / (1 - n * U)
 
