@@ -49,6 +49,13 @@ BUGS = [
      "final partial batch dropped"),
     (3, "level3_numpy/mlp.py", "params[name] -= lr * grad", "params[name] -= np.float32(lr * 1.002) * grad",
      "learning rate 0.2% too large"),
+    # Adam (adam_update, and the model's moments), caught by the lockstep with Adam
+    (3, "level3_numpy/mlp.py", ("bias_correction1 = 1 - beta1**step", "bias_correction2_sqrt = (1 - beta2**step) ** 0.5"),
+     ("bias_correction1 = 1", "bias_correction2_sqrt = 1.0"), "Adam without bias correction"),
+    (3, "level3_numpy/mlp.py", "denom = np.sqrt(v) / np.float32(bias_correction2_sqrt) + np.float32(eps)",
+     "denom = np.sqrt(v + np.float32(eps)) / np.float32(bias_correction2_sqrt)", "Adam's eps inside the square root"),
+    (3, "level3_numpy/mlp.py", "if not self.steps:  # Adam's first step", "if True:  # Adam's first step",
+     "Adam's moments not carried over (zeros at every step)"),
     # LeNet-5 (level3_numpy/lenet.py)
     (3, "level3_numpy/lenet.py", "im2col(x, k) @ w.reshape(f, -1).T + b", "im2col(x, k) @ w[:, :, ::-1, ::-1].reshape(f, -1).T + b",
      "LeNet: a convolution instead of a correlation (the kernel flipped)"),
