@@ -318,3 +318,8 @@ def test_the_roofline_puts_each_gpu_levels_step_under_the_measured_roof():
     assert roofline.kernel_points(kernels) == [("cublas", 0, pytest.approx(2 * 8 * 256 * 784 / (4 * (8 * 784 + 784 * 256
                                                 + 8 * 256))), 500.0), ("tiled", 0, pytest.approx(3.84, rel=1e-2), 90.0)]
     assert "and of each kernel (matmul_kernels.py)" in caption(roofline.roofline(ceilings, runs, kernels))
+    # A chapter draws only the rows its reader has met; level 7's note on its bytes goes with level 7's point.
+    assert {label for label, *_ in roofline.step_points(runs, {"level5[cuda]"})} == {"level5[cuda]"}
+    assert "Level 7 keeps its weights on chip" in caption(roofline.roofline(ceilings, runs))
+    assert "Level 7" not in caption(roofline.roofline(ceilings, runs, kernels, rows={"level5[cuda]",
+                                                                                     "level5[cuda, tiled]"}))
