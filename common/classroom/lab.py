@@ -485,7 +485,7 @@ def given_calls(path: str, root: Path = ROOT) -> set[str]:
         seen.add(file)
         texts.append(strip(file.read_text(), language(file) or "c"))
         queue += [folder / name for name in re.findall(r'#include\s+"([^"]+)"', texts[-1])
-                  for folder in (file.parent, root / "common")]
+                  for folder in (file.parent, root / "common" / "native")]
     tokens = [t for text in texts for t in c_tokens(text)]
     return {a for a, b in zip(tokens, tokens[1:]) if b == "(" and re.match(r"[A-Za-z_]", a)} - set(DENIED)
 
