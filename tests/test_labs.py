@@ -556,9 +556,9 @@ def snapshot(folder: Path) -> dict[str, object]:
 @pytest.fixture(scope="module")
 def gradebook(tmp_path_factory):
     """The gradebook of a class (tests/lab_submissions.py): a correct submission of levels 3 and 4, a stubbed one, two
-    planted bugs, and one of each hostile kind; its students' kinds, its CSV rows by student, and what
-    is to be checked around it: this repository before and after, the submissions before, the processes before and
-    after, its own scratch folder, its output folder."""
+    planted bugs, one of each hostile kind, and the files of the autograd tasks, correct and with a bug in each; its
+    students' kinds, its CSV rows by student, and what is to be checked around it: this repository before and after,
+    the submissions before, the processes before and after, its own scratch folder, its output folder."""
     shipped()
     if why := bwrap.problem():
         pytest.skip(why)
@@ -580,6 +580,12 @@ def gradebook(tmp_path_factory):
     for i, (kind, make) in enumerate(lab_submissions.FOLDERS.items()):
         make(subs / f"special{i}")
         kinds[f"special{i}"] = f"hostile: {kind}"
+    for kind in ("autograd: correct", "autograd: bugs"):  # checks whose graphs the worker builds from numbers
+        for name, good, bad, _ in AUTOGRAD_BUGS:
+            text = (ROOT / name).read_text()
+            (subs / kind[10:] / name).parent.mkdir(parents=True, exist_ok=True)
+            (subs / kind[10:] / name).write_text(text.replace(good, bad, 1) if kind.endswith("bugs") else text)
+        kinds[kind[10:]] = kind
     scratch.mkdir()
     before, before_subs, running = fingerprint(), snapshot(subs), processes()
     env = {**os.environ, "LAB_CALL_TIMEOUT_S": "20", "TMPDIR": str(scratch), "PYTHONDONTWRITEBYTECODE": "1"}
@@ -618,6 +624,13 @@ def honest(level: int, passing: set[str] = frozenset(), failing: set[str] = froz
 
 
 MLP3 = "level3_numpy/mlp.py"
+# The tasks whose checks build their graphs in the worker (common/classroom/lab_autograd.py), and Adam's; a classic bug
+# of tests/plant_bugs.py in each of their files: (file, correct code, buggy code, the task it fails).
+AUTOGRAD_TASKS = ("2.6", "2.7", "2.8", "3.14", "8.1", "8.2", "8.3")
+AUTOGRAD_BUGS = [next((file, good, bad, task) for number, file, good, bad, _ in BUGS if file == name
+                      and isinstance(good, str) and (task := owner(number, file, good)) in AUTOGRAD_TASKS)
+                 for name in ("level2_theory/autograd.py", "level8_framework/tensor.py", "level8_framework/cpu.py",
+                              MLP3)]
 
 
 def test_the_gradebook_grades_each_kind_of_submission(gradebook):
@@ -660,6 +673,18 @@ def test_the_gradebook_grades_each_kind_of_submission(gradebook):
     summary = (gradebook["book"] / "summary.md").read_text()
     assert "| 3.1 | linear_forward |" in summary and (gradebook["book"] / "summary.png").stat().st_size > 0
     assert bwrap.version() in summary and "6 GiB of memory" in summary and "20 s per call" in summary
+
+
+def test_the_gradebook_grades_the_autograd_tasks_from_the_submissions_code(gradebook):
+    """The tasks whose checks hand the worker numbers to build Values and Tensors from, and Adam's: the correct code
+    passes them, and each planted bug fails exactly its task (and blocks those that need it), in the sandbox."""
+    rows = {kind: gradebook["rows"][student] for student, kind in gradebook["kinds"].items()}
+    assert {task: rows["autograd: correct"][task]["status"] for task in AUTOGRAD_TASKS} == \
+        {task: "pass" for task in AUTOGRAD_TASKS}
+    failing = {task for *_, task in AUTOGRAD_BUGS}
+    expected = {task: "FAIL" if task in failing else "blocked" if failing & set(lab.task(task).needs) else "pass"
+                for task in AUTOGRAD_TASKS}
+    assert {task: rows["autograd: bugs"][task]["status"] for task in AUTOGRAD_TASKS} == expected
 
 
 def test_the_gradebook_keeps_the_graders_files_and_the_other_submissions_safe(gradebook):

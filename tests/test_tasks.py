@@ -754,6 +754,7 @@ def tensor_leaves(expression: str) -> np.ndarray:
 
 
 def check_scalar_order(expression: str, leaves: list[float], length: int = 0) -> None:
+    """level 2's topological_order of the expression's first output, checked against the graph's edges."""
     found = engine("scalar_order", expression, leaves, length, hints={"RecursionError": SORT_RECURSION})
     assert_topological(*found, "node")
 
@@ -820,6 +821,7 @@ def check_log_softmax_nll(logits: np.ndarray, y: np.ndarray) -> None:
 
 
 def check_tensor_order(expression: str, leaves: np.ndarray, requires: list[bool], length: int = 0) -> None:
+    """level 8's topological_order of the expression's first output, leaves requiring grad as `requires` says."""
     found = engine("tensor_order", expression, leaves, requires, length, hints={"RecursionError": SORT_RECURSION})
     assert_topological(*found, "tensor")
 
