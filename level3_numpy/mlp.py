@@ -108,13 +108,16 @@ def sgd_momentum_update(params: dict[str, np.ndarray], grads: dict[str, np.ndarr
 def adam_update(params: dict[str, np.ndarray], grads: dict[str, np.ndarray], exp_avg: dict[str, np.ndarray],
                 exp_avg_sq: dict[str, np.ndarray], step: int, lr: float, betas: tuple[float, float] = (0.9, 0.999),
                 eps: float = 1e-8) -> None:
-    """The update of torch.optim.Adam, in place, in its float32 order of operations. Every parameter p, with its
-    gradient g and its moments m and v (exp_avg, exp_avg_sq: same names and shapes as params, zeros before step 1):
-        m = m + (1 - beta1) (g - m)                      m.lerp_(g, 1 - beta1)
-        v = beta2 v + (1 - beta2) g g                    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        p = p - (lr / bc1) m / (sqrt(v) / sqrt(bc2) + eps),   bc1 = 1 - beta1^step, bc2 = 1 - beta2^step
-    at step `step` (1 for the first). The bias corrections and lr / bc1 are float64, as PyTorch's Python computes them;
-    eps is added outside the square root."""
+    """The update of torch.optim.Adam (no weight decay, no amsgrad) at step `step` (1 for the first), in place, in
+    PyTorch's float32 order of operations: every parameter of params and its moments exp_avg and exp_avg_sq (same
+    names and shapes as params, zeros before step 1) change; grads are the parameters' gradients."""
+    # BEGIN LAB 3.14 adam_update
+    # Every parameter p, with its gradient g and its moments m and v:
+    #     m = m + (1 - beta1) (g - m)                      m.lerp_(g, 1 - beta1)
+    #     v = beta2 v + (1 - beta2) g g                    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    #     p = p - (lr / bc1) m / (sqrt(v) / sqrt(bc2) + eps),   bc1 = 1 - beta1^step, bc2 = 1 - beta2^step
+    # The bias corrections and lr / bc1 are float64, as PyTorch's Python computes them; eps is added outside the
+    # square root.
     beta1, beta2 = betas
     bias_correction1 = 1 - beta1**step
     bias_correction2_sqrt = (1 - beta2**step) ** 0.5
@@ -126,6 +129,7 @@ def adam_update(params: dict[str, np.ndarray], grads: dict[str, np.ndarray], exp
         v += np.float32(1 - beta2) * grad * grad
         denom = np.sqrt(v) / np.float32(bias_correction2_sqrt) + np.float32(eps)
         params[name] -= step_size * m / denom
+    # END LAB
 
 
 # ---- the model: the contract every level implements ----
