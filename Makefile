@@ -45,6 +45,10 @@ $(VENV)/.cuda-installed: $(VENV)/.installed
 
 venv: $(VENV)/.installed
 .PHONY: venv
+# What the targets below depend on (defined before any rule names them: make expands a rule's prerequisites as it
+# reads the rule). With PYTHON=python3 (the GPU machine) the targets use that interpreter as it is, without the venv.
+ENV := $(if $(filter $(VENV)/bin/python,$(PYTHON)),$(VENV)/.installed)
+CUDA_ENV := $(if $(ENV),$(VENV)/.cuda-installed)
 
 # ---- native levels ----
 # The headers and shared CUDA code every native level builds with (common/native), as make's dependencies.
@@ -170,9 +174,6 @@ build/lab_level7.so: tests/lab_level7.cu level7_fused/mlp.cu level6_cublas/mlp.c
 levels: $(CC_LEVELS) $(NVCC_LEVELS)
 
 # ---- the main job and the tests ----
-# With PYTHON=python3 (the GPU machine) the targets use that interpreter as it is, without the venv.
-ENV := $(if $(filter $(VENV)/bin/python,$(PYTHON)),$(VENV)/.installed)
-CUDA_ENV := $(if $(ENV),$(VENV)/.cuda-installed)
 # What a grade of LEVEL needs: the CUDA libraries' wheels only for levels 6 and 7 (or every level).
 GRADE_ENV := $(ENV) $(if $(filter 1 2 3 4 5,$(LEVEL)),,$(CUDA_ENV))
 

@@ -1,6 +1,6 @@
 """What every level shares, in rooms, each importing only the rooms below it (pyproject.toml's import-linter contract):
 
-    nets/       each network's definition, and the one list of networks
+    nets/       each network's definition, the one list of networks, and the one list of optimizers
     levels.py   the one list of levels
     contract/   the checks of every input, the same at every level; arrays on the device
     native/     the one cffi binding of the C and CUDA levels, their headers and shared CUDA code

@@ -3,7 +3,8 @@
 Each entry says what the level needs, so a machine runs exactly the levels it can:
   "torch" - PyTorch importable;   "cc" - a C compiler built the library;
   "nvcc"  - nvcc built the library; "gpu" - an NVIDIA GPU is visible at run time.
-Which networks each level implements, and in which library, is common/nets' list. The Makefile asks for its targets:
+Which networks each level implements, and in which library, is common/nets' list; which optimizers, its optimizers.py.
+The Makefile asks for its targets:
 
     python3 -m common.levels targets cc|nvcc       # the levels a C compiler (nvcc) builds: level4 | level5 level6 ...
     python3 -m common.levels lab-libraries cc|nvcc # the lab's libraries for their tasks
@@ -21,6 +22,7 @@ from functools import cache
 from pathlib import Path
 
 from common.nets import Network, get
+from common.nets.optimizers import SGD, Optimizer
 
 ROOT = Path(__file__).resolve().parent.parent
 THE_MLP = get("mlp")  # the network a level is asked about when none is named
@@ -88,12 +90,16 @@ def gpu_available() -> bool:
         return bool(smi) and subprocess.run([smi, "-L"], capture_output=True).returncode == 0
 
 
-def missing(lv: Level, device: str = "cpu", network: Network = THE_MLP, built: bool = True) -> list[str]:
-    """Why this machine cannot run the level on `device` for a network (empty when it can); levels that take a device
-    (1, 8) run on either. built: whether its libraries must be built here (a submission's are built in its sandbox)."""
+def missing(lv: Level, device: str = "cpu", network: Network = THE_MLP, optimizer: Optimizer = SGD,
+            built: bool = True) -> list[str]:
+    """Why this machine cannot run the level on `device` for a network and an optimizer (empty when it can); levels
+    that take a device (1, 8) run on either. built: whether its libraries must be built here (a submission's are built
+    in its sandbox)."""
     why = []
     if lv.number not in network.levels:
         why.append(f"level {lv.number} does not implement {network.title}")
+    if lv.trains and lv.number not in optimizer.levels:
+        why.append(f"level {lv.number} trains with {SGD.title} only, not {optimizer.title}")
     if "torch" in lv.needs and importlib.util.find_spec("torch") is None:
         why.append("PyTorch is not installed")
     if built and (path := lv.library_for(network)) and not path.exists():

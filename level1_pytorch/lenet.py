@@ -1,7 +1,7 @@
 """Level 1 - PyTorch, the gold standard, for the second network: LeNet-5 (common/nets/lenet.py).
 
-The same contract as the MLP's (mlp.Model: nn.Module, autograd, torch.optim.SGD, full float32, deterministic, CPU and
-CUDA, a float64 twin with dtype="float64", and layers(), every layer's output and gradient, for the verifier's
+The same contract as the MLP's (mlp.Model: nn.Module, autograd, torch.optim.SGD or Adam, full float32, deterministic,
+CPU and CUDA, a float64 twin with dtype="float64", and layers(), every layer's output and gradient, for the verifier's
 per-layer check); only the network differs.
 
 Run: `python -m common.harness.compare --model lenet --levels 1` or `pytest -m level1 -k lenet`.
@@ -40,7 +40,7 @@ class Net(nn.Module):
 
 
 class LeNet(Model):
-    """LeNet-5, the level contract with nn.Module, autograd and torch.optim.SGD."""
+    """LeNet-5, the level contract with nn.Module, autograd and torch.optim."""
 
     network = lenet
 

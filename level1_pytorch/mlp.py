@@ -1,8 +1,9 @@
 """Level 1 - PyTorch, the gold standard.
 
 The MLP as a PyTorch user would write it: an nn.Module with two nn.Linear layers, autograd for
-the backward pass, torch.optim.SGD for the update. Every other level must reproduce its per-step
-losses. Full float32 (TF32 off) and deterministic algorithms, so that the reference is exact.
+the backward pass, torch.optim.SGD for the update (optimizer="adam": torch.optim.Adam). Every other
+level must reproduce its per-step losses. Full float32 (TF32 off) and deterministic algorithms, so
+that the reference is exact.
 
 On CUDA it follows the best-practice loop, so that later levels are timed against a fair opponent:
 the data set is copied to the GPU once, each step's loss stays on the GPU, and the losses are read
@@ -30,6 +31,8 @@ from torch import nn  # noqa: E402
 
 from common.contract import (  # noqa: E402
     DataCache,
+    check_optimizer,
+    check_optimizer_state,
     check_params,
     check_training,
     check_X,
@@ -37,7 +40,7 @@ from common.contract import (  # noqa: E402
     hidden_size,
     n_steps,
 )
-from common.nets import mlp  # noqa: E402
+from common.nets import mlp, optimizers  # noqa: E402
 from common.nets.mlp import N_IN, N_OUT  # noqa: E402
 
 
@@ -68,21 +71,24 @@ def _as_tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
+TORCH_OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}  # common/nets/optimizers.py's, in torch.optim
 
 
 class Model:
-    """The level contract, implemented with nn.Module, autograd and torch.optim.SGD, for any network: `build` makes
-    the module, `network` names its parameters (the MLP below; LeNet-5 in lenet.py)."""
+    """The level contract, implemented with nn.Module, autograd and torch.optim (SGD, or Adam), for any network:
+    `build` makes the module, `network` names its parameters (the MLP below; LeNet-5 in lenet.py)."""
 
     network = mlp  # the module of the network's parameter names and shapes
 
-    def __init__(self, params: dict[str, np.ndarray], device: str = "cpu", dtype: str = "float32"):
+    def __init__(self, params: dict[str, np.ndarray], device: str = "cpu", dtype: str = "float32",
+                 optimizer: str = "sgd"):
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
         if device == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("device='cuda' asked for, but PyTorch sees no CUDA device")
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+        self.rule = check_optimizer(optimizer)  # its entry in common/nets/optimizers.py
         torch.backends.cuda.matmul.allow_tf32 = False  # full float32: TF32 would change losses at 1e-3
         torch.backends.cudnn.allow_tf32 = False
         torch.use_deterministic_algorithms(True)
@@ -90,7 +96,7 @@ class Model:
         self.device, self.dtype = torch.device(device), DTYPES[dtype]
         self.net = self.build(params).to(self.device, self.dtype)
         self.load_state_dict(params)
-        self.optimizer = torch.optim.SGD(self.net.parameters(), lr=0.0)
+        self.optimizer = TORCH_OPTIMIZERS[self.rule.name](self.net.parameters(), lr=0.0, **self.rule.hyper)
         self._data = DataCache(on_gpu=device == "cuda")
 
     def train_epoch(self, X: np.ndarray, y: np.ndarray, batch_size: int, lr: float, order=None) -> np.ndarray:
@@ -112,8 +118,10 @@ class Model:
         return losses.cpu().numpy()
 
     def variant(self) -> dict[str, str]:
-        """What this model computes with, read from it: its device and float type."""
-        return {"device": self.device.type, "dtype": str(self.dtype).removeprefix("torch.")}
+        """What this model computes with, read from it: its device, float type and optimizer (named unless SGD)."""
+        optimizer = next(name for name, cls in TORCH_OPTIMIZERS.items() if type(self.optimizer) is cls)
+        return {"device": self.device.type, "dtype": str(self.dtype).removeprefix("torch."),
+                **optimizers.get(optimizer).options}
 
     def arithmetic(self):
         """The context of every computation of this model: nothing beyond the gold standard's settings, made in
@@ -165,6 +173,25 @@ class Model:
         """Replace the parameters (same sizes); the optimizer keeps working on them."""
         params = check_params(params, self.hidden, network=self.network)
         self.net.load_state_dict({k: torch.from_numpy(v) for k, v in params.items()})
+
+    def optimizer_state(self) -> dict[str, dict]:
+        """torch.optim's state by parameter name (common/contract): the step count and copies of the arrays."""
+        if not self.rule.state:
+            return {}
+        return {name: {key: int(s[key]) if key == "step" else s[key].detach().cpu().numpy().copy()
+                       for key in self.rule.state}
+                for name, p in self.net.named_parameters() if (s := self.optimizer.state.get(p))}
+
+    def load_optimizer_state(self, state: dict[str, dict]) -> None:
+        """Replace the optimizer's state (optimizer_state()'s form) through torch.optim's load_state_dict, which casts
+        the arrays to each parameter's type and device. Its tensors are made here, fresh: torch.optim keeps the tensors
+        it is handed, and counts its steps up in the step tensor itself."""
+        state = check_optimizer_state(state, self.state_dict(), self.rule, str(self.dtype).removeprefix("torch."))
+        saved = self.optimizer.state_dict()
+        saved["state"] = {i: {key: torch.tensor(float(value)) if key == "step" else torch.from_numpy(value)
+                              for key, value in state[name].items()}
+                          for i, (name, _) in enumerate(self.net.named_parameters()) if name in state}
+        self.optimizer.load_state_dict(saved)
 
     def build(self, params: dict[str, np.ndarray]) -> nn.Module:
         """The network's module, for these parameters' sizes."""

@@ -103,6 +103,7 @@ class Value:
 
         Every grad of the graph is set to 0 first, so a second backward() gives the same gradients, not twice
         them: a grad is the derivative of the last output backward() ran from, never a sum over calls."""
+        # BEGIN LAB 2.7 backward
         order = topological_order(self)
         for node in order:
             node.grad = 0.0
@@ -110,6 +111,7 @@ class Value:
         for node in reversed(order):  # every node before its parents: its grad is complete when it is passed on
             for parent, local in zip(node.parents, node.local_grads):
                 parent.grad += local * node.grad
+        # END LAB
 
 
 def as_value(x: Value | float) -> Value:
@@ -118,10 +120,11 @@ def as_value(x: Value | float) -> Value:
 
 
 def topological_order(root: Value) -> list[Value]:
-    """Every node of root's graph once, each after all of its parents (root last).
-
-    Iterative depth-first search: an explicit stack instead of recursion, so a graph of any depth fits (a recursive
-    sort stops at Python's 1,000 frames). A node is appended when popped the second time, once its parents are in."""
+    """Every node of root's graph once, each after all of its parents (root last), for a graph of any depth: a
+    chain of 100,000 operations too, far past Python's 1,000 nested calls."""
+    # BEGIN LAB 2.6 topological_order
+    # Iterative depth-first search: an explicit stack instead of recursion. A node is appended when popped the second
+    # time, once its parents are in.
     order: list[Value] = []
     visited: set[int] = set()
     stack: list[tuple[Value, bool]] = [(root, False)]
@@ -136,6 +139,7 @@ def topological_order(root: Value) -> list[Value]:
         stack.append((node, True))
         stack.extend((parent, False) for parent in node.parents if id(parent) not in visited)
     return order
+    # END LAB
 
 
 # ---- a slice of the MLP, one scalar at a time ----
@@ -169,14 +173,18 @@ def linear_unit(x: list[Value], w: list[Value], b: Value) -> Value:
 
 
 def log_sum_exp(z: list[Value]) -> Value:
-    """m + log(sum exp(z - m)) with m = max z taken as a constant: any constant gives the same value and the same
-    gradient, and the max keeps every exp() at most 1."""
+    """log(exp(z_1) + ... + exp(z_n)) of a row of Values, as a Value whose gradient reaches every z_i; finite for any
+    finite z, however large. A row's loss is log_sum_exp(z) - z[label]: -log softmax(z)[label]."""
+    # BEGIN LAB 2.8 log-softmax + NLL
+    # m + log(sum exp(z - m)) with m = max z taken as a constant: any constant gives the same value and the same
+    # gradient, and the max keeps every exp() at most 1.
     m = Value(max(v.data for v in z))
     total = None
     for v in z:
         e = (v - m).exp()
         total = e if total is None else total + e
     return m + total.log()
+    # END LAB
 
 
 def mlp_node_count(batch: int, n_in: int, hidden: int, n_out: int) -> int:

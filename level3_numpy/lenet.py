@@ -113,8 +113,8 @@ class LeNet(Model):
     network = lenet
 
     def variant(self) -> dict[str, str]:
-        """What this model computes with: NumPy on the CPU, its convolutions as im2col."""
-        return {"device": "cpu", "convolution": "im2col"}
+        """What this model computes with: NumPy on the CPU, its convolutions as im2col; its optimizer, unless SGD."""
+        return {**super().variant(), "convolution": "im2col"}
 
     def _forward(self, x: np.ndarray) -> dict[str, np.ndarray]:
         """x (B, 784) -> every layer's output, in order (lenet.ACTIVATIONS), and the pools' choices; the last is the

@@ -6,7 +6,8 @@ vectorized over the batch, as the layer functions below - the very names, order 
 that levels 4-6 use in C and CUDA (outputs first there; here they are returned). Each backward
 function sits next to its forward, and each can be checked against PyTorch on its own (the chapter
 does: "isolate and conquer"). Two more updates stand beside SGD's: momentum's and Adam's, PyTorch's
-rules written out (level 8's optimizers run them on the CPU).
+rules written out (level 8's optimizers run them on the CPU; optimizer="adam" trains this level's
+networks with Adam).
 
 Run: `python -m common.harness.compare --levels 1,3` or `pytest -m level3`.
 """
@@ -17,6 +18,8 @@ import numpy as np
 
 from common.contract import (
     DataCache,
+    check_optimizer,
+    check_optimizer_state,
     check_params,
     check_training,
     check_X,
@@ -105,13 +108,16 @@ def sgd_momentum_update(params: dict[str, np.ndarray], grads: dict[str, np.ndarr
 def adam_update(params: dict[str, np.ndarray], grads: dict[str, np.ndarray], exp_avg: dict[str, np.ndarray],
                 exp_avg_sq: dict[str, np.ndarray], step: int, lr: float, betas: tuple[float, float] = (0.9, 0.999),
                 eps: float = 1e-8) -> None:
-    """The update of torch.optim.Adam, in place, in its float32 order of operations. Every parameter p, with its
-    gradient g and its moments m and v (exp_avg, exp_avg_sq: same names and shapes as params, zeros before step 1):
-        m = m + (1 - beta1) (g - m)                      m.lerp_(g, 1 - beta1)
-        v = beta2 v + (1 - beta2) g g                    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        p = p - (lr / bc1) m / (sqrt(v) / sqrt(bc2) + eps),   bc1 = 1 - beta1^step, bc2 = 1 - beta2^step
-    at step `step` (1 for the first). The bias corrections and lr / bc1 are float64, as PyTorch's Python computes them;
-    eps is added outside the square root."""
+    """The update of torch.optim.Adam (no weight decay, no amsgrad) at step `step` (1 for the first), in place, in
+    PyTorch's float32 order of operations: every parameter of params and its moments exp_avg and exp_avg_sq (same
+    names and shapes as params, zeros before step 1) change; grads are the parameters' gradients."""
+    # BEGIN LAB 3.14 adam_update
+    # Every parameter p, with its gradient g and its moments m and v:
+    #     m = m + (1 - beta1) (g - m)                      m.lerp_(g, 1 - beta1)
+    #     v = beta2 v + (1 - beta2) g g                    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    #     p = p - (lr / bc1) m / (sqrt(v) / sqrt(bc2) + eps),   bc1 = 1 - beta1^step, bc2 = 1 - beta2^step
+    # The bias corrections and lr / bc1 are float64, as PyTorch's Python computes them; eps is added outside the
+    # square root.
     beta1, beta2 = betas
     bias_correction1 = 1 - beta1**step
     bias_correction2_sqrt = (1 - beta2**step) ** 0.5
@@ -123,6 +129,7 @@ def adam_update(params: dict[str, np.ndarray], grads: dict[str, np.ndarray], exp
         v += np.float32(1 - beta2) * grad * grad
         denom = np.sqrt(v) / np.float32(bias_correction2_sqrt) + np.float32(eps)
         params[name] -= step_size * m / denom
+    # END LAB
 
 
 # ---- the model: the contract every level implements ----
@@ -130,12 +137,17 @@ def adam_update(params: dict[str, np.ndarray], grads: dict[str, np.ndarray], exp
 
 class Model:
     """The level contract, forward and backward by hand, for any network: a subclass writes `_forward` and
-    `_loss_and_grads`, and `network` names its parameters (the MLP below; LeNet-5 in lenet.py)."""
+    `_loss_and_grads`, and `network` names its parameters (the MLP below; LeNet-5 in lenet.py). The update is
+    sgd_update, or with optimizer="adam" adam_update, its moments kept from step to step."""
 
     network = mlp  # the module of the network's parameter names and shapes
 
-    def __init__(self, params: dict[str, np.ndarray]):
+    def __init__(self, params: dict[str, np.ndarray], optimizer: str = "sgd"):
         self.params = check_params(params, network=self.network)
+        self.rule = check_optimizer(optimizer)  # its entry in common/nets/optimizers.py
+        self.steps = 0  # Adam's steps taken, and its moments m and v by parameter name (made at the first step)
+        self.exp_avg: dict[str, np.ndarray] = {}
+        self.exp_avg_sq: dict[str, np.ndarray] = {}
         self._data = DataCache()
 
     def train_epoch(self, X: np.ndarray, y: np.ndarray, batch_size: int, lr: float, order=None) -> np.ndarray:
@@ -146,12 +158,22 @@ class Model:
         for step in range(len(losses)):
             batch = order[step * batch_size : (step + 1) * batch_size]
             losses[step], grads = self._loss_and_grads(X[batch], y[batch])
-            sgd_update(self.params, grads, lr)
+            self._update(grads, lr)
         return losses
 
+    def _update(self, grads: dict[str, np.ndarray], lr: np.float32) -> None:
+        """The optimizer's step: sgd_update, or adam_update from the moments of the step before."""
+        if self.rule.name == "sgd":
+            sgd_update(self.params, grads, lr)
+            return
+        if not self.steps:  # Adam's first step: both moments start at zero
+            self.exp_avg, self.exp_avg_sq = ({k: np.zeros_like(p) for k, p in self.params.items()} for _ in range(2))
+        self.steps += 1
+        adam_update(self.params, grads, self.exp_avg, self.exp_avg_sq, self.steps, float(lr), **self.rule.hyper)
+
     def variant(self) -> dict[str, str]:
-        """What this model computes with: NumPy, on the CPU."""
-        return {"device": "cpu"}
+        """What this model computes with: NumPy, on the CPU; its optimizer, unless SGD."""
+        return {"device": "cpu", **self.rule.options}
 
     def loss_and_grads(self, X: np.ndarray, y: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
         """Mean cross-entropy of one batch and its gradients; parameters unchanged."""
@@ -170,6 +192,21 @@ class Model:
     def load_state_dict(self, params: dict[str, np.ndarray]) -> None:
         """Replace the parameters (same sizes)."""
         self.params = check_params(params, len(self.params["fc1.bias"]), network=self.network)
+
+    def optimizer_state(self) -> dict[str, dict]:
+        """Adam's state by parameter name, as torch.optim keeps it (common/contract): the step count and copies of m
+        and v; {} before the first step, and for SGD."""
+        if not self.steps:
+            return {}
+        return {name: {"step": self.steps, "exp_avg": self.exp_avg[name].copy(),
+                       "exp_avg_sq": self.exp_avg_sq[name].copy()} for name in self.params}
+
+    def load_optimizer_state(self, state: dict[str, dict]) -> None:
+        """Replace Adam's state (optimizer_state()'s form; {} forgets it)."""
+        state = check_optimizer_state(state, self.params, self.rule)
+        self.steps = next(iter(state.values()))["step"] if state else 0
+        self.exp_avg = {name: s["exp_avg"] for name, s in state.items()}
+        self.exp_avg_sq = {name: s["exp_avg_sq"] for name, s in state.items()}
 
 
 class MLP(Model):

@@ -63,15 +63,19 @@ class NumpyBackend:
 
     @staticmethod
     def matmul_backward(g: np.ndarray, a: np.ndarray, b: np.ndarray, need_a: bool, need_b: bool) -> tuple:
-        """(da = g @ b^T, db = a^T @ g), each None where not needed, each in its input's layout: the gradient of a
-        transposed view is computed as its transpose's and viewed back, so that the gradient of w (in x @ w.T) is
-        dout^T @ x, row-major, exactly level 3's linear_backward."""
+        """The gradients (da, db) of the product a @ b (a (M, K), b (K, N)), given g (M, N), the gradient with respect
+        to the product; each None where not needed (need_a, need_b). Either input may be a transposed view (w.T): its
+        gradient has its shape and its layout, so that the gradient of w in x @ w.T is level 3's dw bit for bit."""
+        # BEGIN LAB 8.2 matmul_backward
+        # da = g @ b^T, db = a^T @ g; a transposed view's gradient is computed as its transpose's and viewed back
+        # (dw = dout^T @ x, row-major, exactly level 3's linear_backward).
         da = db = None
         if need_a:
             da = (b @ g.T).T if transposed(a) else g @ b.T
         if need_b:
             db = (g.T @ a).T if transposed(b) else a.T @ g
         return da, db
+        # END LAB
 
     @staticmethod
     def transpose(a: np.ndarray) -> np.ndarray:
@@ -87,7 +91,10 @@ class NumpyBackend:
 
     @staticmethod
     def sum_to(g: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-        """g summed over the axes a broadcast to g's shape added (leading ones) or stretched (size 1), to `shape`."""
+        """add()'s backward for an input of `shape` that add() broadcast to g's shape (axes added in front, axes of size
+        1 stretched): the input's gradient, of `shape`, from g, the gradient with respect to add()'s output."""
+        # BEGIN LAB 8.3 broadcast backward
+        # An input broadcast along an axis was used once per position there: its gradient is g summed over that axis.
         if g.shape == shape:
             return g
         if len(shape) == 1 and g.ndim == 2 and g.shape[1] == shape[0]:  # a layer's bias: level 3's dout.sum(axis=0)
@@ -95,6 +102,7 @@ class NumpyBackend:
         lead = g.ndim - len(shape)
         axes = tuple(range(lead)) + tuple(lead + i for i, n in enumerate(shape) if n == 1 and g.shape[lead + i] != 1)
         return g.sum(axis=axes).reshape(shape)
+        # END LAB
 
     # ---- element-wise layers ----
 

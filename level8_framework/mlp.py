@@ -13,7 +13,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from common.contract import DataCache, check_params, check_training, check_X, check_y, hidden_size, n_steps
+from common.contract import (
+    DataCache,
+    check_optimizer,
+    check_optimizer_state,
+    check_params,
+    check_training,
+    check_X,
+    check_y,
+    hidden_size,
+    n_steps,
+)
 from common.nets import mlp as mlp_network
 from common.nets.mlp import N_IN, N_OUT
 from level8_framework import nn, optim
@@ -25,7 +35,7 @@ def mlp(hidden: int) -> nn.Sequential:
     return nn.Sequential({"fc1": nn.Linear(N_IN, hidden), "relu1": nn.ReLU(), "fc2": nn.Linear(hidden, N_OUT)})
 
 
-OPTIMIZERS = {"sgd": optim.SGD, "adam": optim.Adam}  # the update of train_epoch, at the lr it is given
+OPTIMIZERS = {"sgd": optim.SGD, "adam": optim.Adam}  # common/nets/optimizers.py's, at the lr train_epoch is given
 
 
 class Model:
@@ -36,14 +46,13 @@ class Model:
 
     def __init__(self, params: dict[str, np.ndarray], device: str = "cpu", optimizer: str = "sgd"):
         backend = backend_for(device)  # a device this machine cannot run is refused here, with the reason
-        if optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {list(OPTIMIZERS)}, got {optimizer!r}")
+        self.rule = check_optimizer(optimizer)  # its entry in common/nets/optimizers.py
         params = check_params(params, network=self.network)
         self.device, self._backend = device, backend
         self.net = self.build(params).to(device)
         self.net.load_state_dict(params)
         self.loss_fn = nn.CrossEntropyLoss()
-        self.optimizer = OPTIMIZERS[optimizer](self.net.parameters(), lr=0.0)
+        self.optimizer = OPTIMIZERS[self.rule.name](self.net.parameters(), lr=0.0, **self.rule.hyper)
         self._data = DataCache(on_gpu=device == "cuda")
 
     def train_epoch(self, X: np.ndarray, y: np.ndarray, batch_size: int, lr: float, order=None) -> np.ndarray:
@@ -65,9 +74,10 @@ class Model:
         return be.to_numpy(losses)
 
     def variant(self) -> dict[str, str]:
-        """What this model computes with, read from it: the device of its parameters' backend, its optimizer."""
+        """What this model computes with, read from it: the device of its parameters' backend, its optimizer (named
+        unless SGD)."""
         optimizer = next(name for name, cls in OPTIMIZERS.items() if type(self.optimizer) is cls)
-        return {"device": self.net.parameters()[0].backend.device, "optimizer": optimizer}
+        return {"device": self.net.parameters()[0].backend.device, **check_optimizer(optimizer).options}
 
     def loss_and_grads(self, X: np.ndarray, y: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
         """Mean cross-entropy of one batch and its gradients; parameters unchanged."""
@@ -121,6 +131,22 @@ class Model:
     def load_state_dict(self, params: dict[str, np.ndarray]) -> None:
         """Replace the parameters (same sizes); the optimizer keeps working on them."""
         self.net.load_state_dict(check_params(params, self.hidden, network=self.network))
+
+    def optimizer_state(self) -> dict[str, dict]:
+        """The optimizer's state_dict() by parameter name (common/contract): the step count and copies of the arrays;
+        {} for SGD."""
+        if not self.rule.state:
+            return {}
+        names = [name for name, _ in self.net.named_parameters()]
+        return {names[i]: {key: s[key] for key in self.rule.state}
+                for i, s in self.optimizer.state_dict()["state"].items()}
+
+    def load_optimizer_state(self, state: dict[str, dict]) -> None:
+        """Replace the optimizer's state (optimizer_state()'s form; {} forgets it), through its load_state_dict."""
+        state = check_optimizer_state(state, self.state_dict(), self.rule)
+        saved = self.optimizer.state_dict()
+        saved["state"] = {i: state[name] for i, (name, _) in enumerate(self.net.named_parameters()) if name in state}
+        self.optimizer.load_state_dict(saved)
 
     def build(self, params: dict[str, np.ndarray]) -> nn.Module:
         """The network, for these parameters' sizes."""

@@ -236,8 +236,10 @@ def _backend(*tensors: Tensor):
 
 
 def topological_order(root: Tensor) -> list[Tensor]:
-    """Every tensor that requires grad in root's graph, once, each after the tensors it was computed from (root last).
-    Iterative depth-first search, as level 2's: a graph of any depth fits, with no recursion."""
+    """Every tensor that requires grad in root's graph, once, each after the tensors it was computed from (root last),
+    for a graph of any depth (far past Python's 1,000 nested calls)."""
+    # BEGIN LAB 8.1 autograd
+    # Iterative depth-first search, as level 2's: an explicit stack, no recursion.
     order: list[Tensor] = []
     visited: set[int] = set()
     stack: list[tuple[Tensor, bool]] = [(root, False)]
@@ -253,6 +255,7 @@ def topological_order(root: Tensor) -> list[Tensor]:
                     if i.requires_grad and id(i) not in visited:
                         stack.append((i, False))
     return order
+    # END LAB
 
 
 FREED = ("backward() through a graph a second time: its first backward() freed it (saved values included); "
@@ -260,9 +263,13 @@ FREED = ("backward() through a graph a second time: its first backward() freed i
 
 
 def run_backward(root: Tensor, seed, retain_graph: bool) -> None:
-    """The chain rule over root's graph, from d(root)/d(root) = seed: each tensor's gradient is complete when its turn
-    comes (every tensor computed from it came before, in reverse topological order) and is passed to its inputs
-    through its node. A tensor used twice receives two gradients, added in the order they come, which is fixed."""
+    """The chain rule over root's graph, from d(root)/d(root) = seed: d(root)/d(t) added to the .grad of every leaf t
+    that requires grad and of every tensor that retains its grad. A tensor used twice receives both gradients, added
+    in an order that never changes (the same bits every run). Unless retain_graph, each node passed through is freed
+    (inputs and backward dropped); a node found freed raises RuntimeError(FREED)."""
+    # BEGIN LAB 8.1 autograd
+    # Each tensor's gradient is complete when its turn comes (every tensor computed from it came before, in reverse
+    # topological order) and is passed to its inputs through its node.
     order = topological_order(root)
     grads = {id(root): seed}
     for t in reversed(order):
@@ -290,6 +297,7 @@ def run_backward(root: Tensor, seed, retain_graph: bool) -> None:
                 grads[key] = gi
         if not retain_graph:
             node.inputs, node.backward = (), None
+    # END LAB
 
 
 # ---- the operations: each computes its result and says how to differentiate it ----

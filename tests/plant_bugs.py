@@ -39,6 +39,10 @@ BUGS = [
      "autograd: a gradient overwritten where a value is used twice"),
     (2, "level2_theory/autograd.py", "node.grad = 0.0", "node.grad += 0.0",
      "autograd: the graph's grads not zeroed, so a second backward() adds to the first"),
+    (2, "level2_theory/autograd.py", "        if id(node) in visited:\n            continue\n", "",
+     "autograd: the sort without its visited set (a node reached along two paths listed twice)"),
+    (2, "level2_theory/autograd.py", "m = Value(max(v.data for v in z))", "m = Value(0.0)",
+     "autograd: log-sum-exp without the max (exp() overflows on large logits)"),
     (3, "level3_numpy/mlp.py", "return dlogits / len(y)", "return dlogits", "gradients not divided by the batch size"),
     (3, "level3_numpy/mlp.py", "return da * (h > 0)", "return da * (h >= 0)", "ReLU gradient wrong at exactly 0"),
     (3, "level3_numpy/mlp.py", "return da * (h > 0)", "return da * (da > 0)", "ReLU mask taken from the wrong tensor"),
@@ -49,6 +53,13 @@ BUGS = [
      "final partial batch dropped"),
     (3, "level3_numpy/mlp.py", "params[name] -= lr * grad", "params[name] -= np.float32(lr * 1.002) * grad",
      "learning rate 0.2% too large"),
+    # Adam (adam_update, and the model's moments), caught by the lockstep with Adam
+    (3, "level3_numpy/mlp.py", ("bias_correction1 = 1 - beta1**step", "bias_correction2_sqrt = (1 - beta2**step) ** 0.5"),
+     ("bias_correction1 = 1", "bias_correction2_sqrt = 1.0"), "Adam without bias correction"),
+    (3, "level3_numpy/mlp.py", "denom = np.sqrt(v) / np.float32(bias_correction2_sqrt) + np.float32(eps)",
+     "denom = np.sqrt(v + np.float32(eps)) / np.float32(bias_correction2_sqrt)", "Adam's eps inside the square root"),
+    (3, "level3_numpy/mlp.py", "if not self.steps:  # Adam's first step", "if True:  # Adam's first step",
+     "Adam's moments not carried over (zeros at every step)"),
     # LeNet-5 (level3_numpy/lenet.py)
     (3, "level3_numpy/lenet.py", "im2col(x, k) @ w.reshape(f, -1).T + b", "im2col(x, k) @ w[:, :, ::-1, ::-1].reshape(f, -1).T + b",
      "LeNet: a convolution instead of a correlation (the kernel flipped)"),
@@ -165,6 +176,7 @@ BUGS = [
     (7, "level7_fused/lenet.cu", "    for (int i = n / 4 * 4 + threadIdx.x; i < n; i += blockDim.x) __pipeline_memcpy_async(dst + i, src + i, 4);\n",
      "", "LeNet: the copy's odd tail dropped (the last two of fc3's biases never reach shared memory)"),
     # Level 8, the framework (its CPU backend; its optimizers' updates are level 3's)
+    (8, "level8_framework/cpu.py", "else a.T @ g", "else g.T @ a", "matmul's db transposed"),
     (8, "level8_framework/cpu.py", ("return g.sum(axis=0)", "return g.sum(axis=axes).reshape(shape)"),
      ("return g[0]", "return g[(0,) * lead].reshape(shape)"),
      "broadcast backward not summed (the bias gets the first row's gradient)"),

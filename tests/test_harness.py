@@ -148,6 +148,36 @@ def test_each_variant_of_a_level_is_a_row_of_its_own():
     assert compare.row_label(level(4), "cpu", {}) == "level4[cpu]"
 
 
+def test_adam_trains_the_levels_that_implement_it_and_says_so(tmp_path, capsys):
+    """--optimizer adam: the levels that implement Adam train with it (PyTorch's lr, 1e-3, by default) and are
+    verified with its state; the others are skipped with the reason; results.json records it in its settings and, read
+    back from each model, in each row's variant."""
+    args = ["--levels", "1,3,4", "--optimizer", "adam", "--epochs", "1", "--train-size", "64", "--out", str(tmp_path),
+            "--quiet"]
+    assert compare.main(args) == 0
+    out = capsys.readouterr().out
+    assert "skipping level4 (Plain C through cffi): " in out and "level 4 trains with SGD only, not Adam" in out
+    assert ", Adam, lr 0.001," in out
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["settings"]["optimizer"] == "adam" and results["settings"]["lr"] == 1e-3
+    assert [(row["level"], row["ran"]["optimizer"]) for row in results["table"]] == [("level1[cpu]", "adam"),
+                                                                                    ("level3[cpu]", "adam")]
+    lockstep = results["runs"][1]["lockstep"]
+    assert lockstep["failure"] is None and lockstep["steps"] == 8
+    assert {"fc1.weight", "fc1.weight.exp_avg", "fc1.weight.exp_avg_sq"} <= set(lockstep["update_err"])
+    assert results["runs"][-1]["ran"] == {"device": "cpu", "dtype": "float64", "optimizer": "adam"}  # the twin
+
+
+def test_a_level_that_trains_with_another_optimizer_than_asked_fails(tmp_path, monkeypatch, capsys):
+    cls = level(3).load()
+    monkeypatch.setattr(cls, "variant", lambda self: {"device": "cpu"})
+    args = ["--levels", "1,3", "--optimizer", "adam", "--epochs", "1", "--train-size", "64", "--out", str(tmp_path),
+            "--quiet"]
+    assert compare.main(args) == 1
+    assert "FAIL: level3[cpu] ran something else than its row says: optimizer 'adam' asked for, None ran" in \
+        capsys.readouterr().out
+
+
 def test_the_timed_epochs_come_after_an_untimed_one_from_the_same_weights(tmp_path, monkeypatch, mnist):
     """Compilation and graph captures happen in a first call: the harness trains one epoch before the clock starts,
     then loads the initial weights back, so the free run still agrees with level 1's from its first step."""
@@ -288,3 +318,8 @@ def test_the_roofline_puts_each_gpu_levels_step_under_the_measured_roof():
     assert roofline.kernel_points(kernels) == [("cublas", 0, pytest.approx(2 * 8 * 256 * 784 / (4 * (8 * 784 + 784 * 256
                                                 + 8 * 256))), 500.0), ("tiled", 0, pytest.approx(3.84, rel=1e-2), 90.0)]
     assert "and of each kernel (matmul_kernels.py)" in caption(roofline.roofline(ceilings, runs, kernels))
+    # A chapter draws only the rows its reader has met; level 7's note on its bytes goes with level 7's point.
+    assert {label for label, *_ in roofline.step_points(runs, {"level5[cuda]"})} == {"level5[cuda]"}
+    assert "Level 7 keeps its weights on chip" in caption(roofline.roofline(ceilings, runs))
+    assert "Level 7" not in caption(roofline.roofline(ceilings, runs, kernels, rows={"level5[cuda]",
+                                                                                     "level5[cuda, tiled]"}))

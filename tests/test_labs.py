@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -102,10 +103,19 @@ try:
     level4_c.MLP(init_params(0))
 except NativeError as e:
     print(e)
+from level2_theory.autograd import Value
+from level8_framework import Tensor
+for stub in (lambda: (Value(2.0) * 3.0).backward(), lambda: Tensor([1.0], requires_grad=True).mean().backward()):
+    try:
+        stub()
+    except NotImplementedError as e:
+        print(e)
 """
     run = run_in(edition, sys.executable, "-c", script)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "lab 3.1: linear_forward is not written yet" in run.stdout
+    assert "lab 2.7: backward is not written yet" in run.stdout
+    assert "lab 8.1: run_backward (autograd) is not written yet" in run.stdout
     assert "level4_c/mlp.c" in run.stdout and "lab 4.9: mlp_create (the model) is not written yet" in run.stdout
 
 
@@ -169,22 +179,22 @@ def test_no_line_of_a_solution_is_in_the_edition(edition):
 
 
 def owner(level: int, file: str, good) -> str | None:
-    """The task whose regions hold a bug's correct code, else the level's row when its tasks are in that file (the
-    row runs the level's own tests), else None: no task grades that code (LeNet's helpers outside its tasks, which
-    tests/test_lenet.py checks)."""
+    """The task whose regions hold a bug's correct code (of any level: level 8's Adam is level 3's adam_update), else
+    the level's row when its tasks are in that file (the row runs the level's own tests), else None: no task grades
+    that code (LeNet's helpers outside its tasks, which tests/test_lenet.py checks; level 8's, which has no row)."""
     for t in lab.TASKS:
         bodies = [r.body for r in lab.regions(t.path) if r.task == t.id] if t.path == file else []
         if bodies and all(any(old in body for body in bodies) for old in (good if isinstance(good, tuple) else [good])):
             return t.id
     row = lab.level_row(level)
-    return row.id if any(lab.task(n).path == file for n in row.needs) else None
+    return row.id if row and any(lab.task(n).path == file for n in row.needs) else None
 
 
 def bug_params() -> list:
     """pytest.param per classic bug of a level with tasks, with the task it must fail; marked gpu where it needs one."""
     params = []
     for number, file, good, bad, what in BUGS:
-        if lab.level_row(number) and (graded_by := owner(number, file, good)):
+        if any(t.level == number for t in lab.TASKS) and (graded_by := owner(number, file, good)):
             task = lab.task(graded_by)
             marks = [pytest.mark.gpu] if task.gpu else []
             params.append(pytest.param(number, file, good, bad, task, marks=marks, id=f"{number}-{what}"))
@@ -200,7 +210,7 @@ def test_a_planted_bug_fails_exactly_its_task(number, file, good, bad, task, req
     repo = scratch_copy()
     try:
         apply(repo, file, good, bad, task.name)
-        run, tasks = grade(repo, tmp_path / "grade.json", "--level", str(number))
+        run, tasks = grade(repo, tmp_path / "grade.json", "--level", str(task.level))
     finally:
         shutil.rmtree(repo.parent)
     failed = {i for i, t in tasks.items() if t["status"] == "FAIL"}
@@ -292,6 +302,130 @@ def test_each_classic_bug_gets_its_hint(bug):
     arguments = {"layers": layers, **sizes}
     if "n_in" in sizes:
         arguments["images"] = np.zeros((64, 784), np.float32)
+    with warnings.catch_warnings(), pytest.raises(AssertionError) as failure:
+        warnings.simplefilter("ignore")
+        getattr(test_tasks, check)(**arguments)
+    assert hint in str(failure.value), str(failure.value)
+
+
+AUTOGRAD, TENSOR, CPU, NUMPY = "level2_theory.autograd", "level8_framework.tensor", "level8_framework.cpu", \
+    "level3_numpy.mlp"
+FAN_OUT = {"expression": "fan_out", "length": 0}
+MATMUL_SQUARE = {"M": 5, "K": 5, "N": 5, "a_view": False, "b_view": False}
+STEP_1 = {"step": 1, "hyper": {}}
+# A classic bug: (its module, the correct code, the buggy code, the check, the check's arguments, the hint's words).
+ENGINE_HINTS = {
+    "a node listed twice": (AUTOGRAD, "        if id(node) in visited:\n            continue\n", "",
+                            "test_scalar_topological_order", FAN_OUT, "listed twice"),
+    "a recursive sort": (AUTOGRAD, None, None, "test_scalar_topological_order",
+                         {"expression": "chain", "length": 5_000}, "stops at Python's limit of 1,000 nested calls"),
+    "a gradient overwritten": (AUTOGRAD, "parent.grad += local * node.grad", "parent.grad = local * node.grad",
+                               "test_scalar_backward_adds_every_contribution", {},
+                               "overwritten instead of accumulated"),
+    "the order walked the wrong way": (AUTOGRAD, "for node in reversed(order):", "for node in order:",
+                                       "test_scalar_backward_adds_every_contribution", {}, "no gradient reached"),
+    "grads not zeroed": (AUTOGRAD, "node.grad = 0.0", "node.grad += 0.0", "test_scalar_backward", FAN_OUT,
+                         "set every grad of the graph to 0"),
+    "log-sum-exp without the max": (AUTOGRAD, "m = Value(max(v.data for v in z))", "m = Value(0.0)",
+                                    "test_scalar_log_softmax_nll", {"B": 3, "C": 10, "scale": 1000.0},
+                                    "exp() overflowed"),
+    "the max not added back": (AUTOGRAD, "return m + total.log()", "return total.log()", "test_scalar_log_softmax_nll",
+                               {"B": 4, "C": 3, "scale": 3.0}, "must add it back"),
+    "a tensor listed twice": (TENSOR, "        elif id(t) not in visited:\n", "        elif True:\n",
+                              "test_tensor_topological_order", FAN_OUT, "listed twice"),
+    "a tensor that requires no grad listed": (TENSOR, "if i.requires_grad and id(i) not in visited:",
+                                              "if id(i) not in visited:", "test_tensor_topological_order",
+                                              FAN_OUT, "requires no grad"),
+    "a tensor's gradient overwritten": (TENSOR, "grads[key] = i.backend.add(grads[key], gi)", "grads[key] = gi",
+                                        "test_tensor_backward_adds_every_contribution", {},
+                                        "overwritten instead of accumulated"),
+    "the tensors' order walked the wrong way": (TENSOR, "for t in reversed(order):", "for t in order:",
+                                                "test_tensor_backward_adds_every_contribution", {},
+                                                "no gradient reached"),
+    ".grad replaced": (TENSOR, "if t.grad is None else _new(", "if True else _new(", "test_tensor_backward", FAN_OUT,
+                       "replaced .grad instead of adding"),
+    "the graph never freed": (TENSOR, "node.inputs, node.backward = (), None", "node.inputs = node.inputs",
+                              "test_tensor_backward", FAN_OUT, "did not raise"),
+    "matmul's db transposed": (CPU, "else a.T @ g", "else g.T @ a", "test_matmul_backward", MATMUL_SQUARE,
+                               "transpose of the answer"),
+    "a view's gradient not in its layout": (CPU, "db = (g.T @ a).T if transposed(b) else a.T @ g", "db = a.T @ g",
+                                            "test_matmul_backward", {**MATMUL_SQUARE, "b_view": True},
+                                            "not laid out as the view"),
+    "broadcast axes not summed": (CPU, ("return g.sum(axis=0)", "return g.sum(axis=axes).reshape(shape)"),
+                                  ("return g[0]", "return g[(0,) * lead].reshape(shape)"), "test_broadcast_backward",
+                                  {"g_shape": (13, 37), "shape": (37,)}, "broadcast axes are not summed"),
+    "stretched axes not summed": (CPU, "return g.sum(axis=axes).reshape(shape)",
+                                  "return g.sum(axis=tuple(range(lead)))", "test_broadcast_backward",
+                                  {"g_shape": (2, 3, 5, 4), "shape": (3, 1, 1)}, "leading axes only"),
+    "the mean, not the sum": (CPU, "return g.sum(axis=axes).reshape(shape)", "return g.mean(axis=axes).reshape(shape)",
+                              "test_broadcast_backward", {"g_shape": (2, 3, 5, 4), "shape": (3, 1, 1)},
+                              "the mean over the broadcast axes"),
+    "Adam's eps inside the square root": (NUMPY, "np.sqrt(v) / np.float32(bias_correction2_sqrt) + np.float32(eps)",
+                                          "np.sqrt(v + np.float32(eps)) / np.float32(bias_correction2_sqrt)",
+                                          "test_adam_update", STEP_1, "eps went inside the square root"),
+    "Adam without bias correction": (NUMPY, ("bias_correction1 = 1 - beta1**step",
+                                             "bias_correction2_sqrt = (1 - beta2**step) ** 0.5"),
+                                     ("bias_correction1 = 1", "bias_correction2_sqrt = 1.0"), "test_adam_update",
+                                     {"step": 1000, "hyper": {}}, "no bias correction"),
+    "Adam's moment not in place": (NUMPY, "m += np.float32(1 - beta1) * (grad - m)",
+                                   "m = m + np.float32(1 - beta1) * (grad - m)", "test_adam_update", STEP_1,
+                                   "exp_avg fc1.weight is as it was"),
+}
+
+
+def with_bug(name: str, good, bad) -> types.ModuleType:
+    """A fresh copy of a module with a bug planted in its source (the module itself is left as it is)."""
+    import importlib.util
+
+    from plant_bugs import edits
+
+    path = importlib.util.find_spec(name).origin
+    text = Path(path).read_text()
+    for old, new in edits(good, bad):
+        assert text.count(old) == 1, f"{name}: expected one {old!r}"
+        text = text.replace(old, new)
+    module = types.ModuleType(name)
+    module.__file__ = path
+    exec(compile(text, path, "exec"), module.__dict__)  # noqa: S102 - this repository's own source, with a bug
+    return module
+
+
+def recursive_order(root) -> list:
+    """A topological order by recursion, the classic one: it stops at Python's 1,000 nested calls."""
+    order, seen = [], set()
+
+    def visit(node):
+        if id(node) not in seen:
+            seen.add(id(node))
+            for parent in node.parents:
+                visit(parent)
+            order.append(node)
+
+    visit(root)
+    return order
+
+
+@pytest.mark.parametrize("bug", ENGINE_HINTS)
+def test_each_classic_bug_of_the_autograd_and_adam_tasks_gets_its_hint(bug, monkeypatch):
+    """Each bug, planted in a fresh copy of its module that the checks then run (common/classroom/lab_autograd.py
+    imports it by name), fails its check with its hint."""
+    import importlib
+    import warnings
+
+    import test_tasks
+
+    name, good, bad, check, arguments, hint = ENGINE_HINTS[bug]
+    module = importlib.import_module(name)  # its package holds it from now on
+    module = module if good is None else with_bug(name, good, bad)
+    if good is None:
+        monkeypatch.setattr(module, "topological_order", recursive_order)
+    monkeypatch.setitem(sys.modules, name, module)
+    package, _, attribute = name.rpartition(".")
+    monkeypatch.setattr(importlib.import_module(package), attribute, module)
+    if check == "test_adam_update":
+        arguments = {**arguments, "layers": types.SimpleNamespace(adam_update=module.adam_update)}
+    if check == "test_matmul_backward":
+        arguments = {**arguments, "images": np.zeros((64, 784), np.float32)}
     with warnings.catch_warnings(), pytest.raises(AssertionError) as failure:
         warnings.simplefilter("ignore")
         getattr(test_tasks, check)(**arguments)
@@ -422,9 +556,9 @@ def snapshot(folder: Path) -> dict[str, object]:
 @pytest.fixture(scope="module")
 def gradebook(tmp_path_factory):
     """The gradebook of a class (tests/lab_submissions.py): a correct submission of levels 3 and 4, a stubbed one, two
-    planted bugs, and one of each hostile kind; its students' kinds, its CSV rows by student, and what
-    is to be checked around it: this repository before and after, the submissions before, the processes before and
-    after, its own scratch folder, its output folder."""
+    planted bugs, one of each hostile kind, and the files of the autograd tasks, correct and with a bug in each; its
+    students' kinds, its CSV rows by student, and what is to be checked around it: this repository before and after,
+    the submissions before, the processes before and after, its own scratch folder, its output folder."""
     shipped()
     if why := bwrap.problem():
         pytest.skip(why)
@@ -446,6 +580,12 @@ def gradebook(tmp_path_factory):
     for i, (kind, make) in enumerate(lab_submissions.FOLDERS.items()):
         make(subs / f"special{i}")
         kinds[f"special{i}"] = f"hostile: {kind}"
+    for kind in ("autograd: correct", "autograd: bugs"):  # checks whose graphs the worker builds from numbers
+        for name, good, bad, _ in AUTOGRAD_BUGS:
+            text = (ROOT / name).read_text()
+            (subs / kind[10:] / name).parent.mkdir(parents=True, exist_ok=True)
+            (subs / kind[10:] / name).write_text(text.replace(good, bad, 1) if kind.endswith("bugs") else text)
+        kinds[kind[10:]] = kind
     scratch.mkdir()
     before, before_subs, running = fingerprint(), snapshot(subs), processes()
     env = {**os.environ, "LAB_CALL_TIMEOUT_S": "20", "TMPDIR": str(scratch), "PYTHONDONTWRITEBYTECODE": "1"}
@@ -484,6 +624,13 @@ def honest(level: int, passing: set[str] = frozenset(), failing: set[str] = froz
 
 
 MLP3 = "level3_numpy/mlp.py"
+# The tasks whose checks build their graphs in the worker (common/classroom/lab_autograd.py), and Adam's; a classic bug
+# of tests/plant_bugs.py in each of their files: (file, correct code, buggy code, the task it fails).
+AUTOGRAD_TASKS = ("2.6", "2.7", "2.8", "3.14", "8.1", "8.2", "8.3")
+AUTOGRAD_BUGS = [next((file, good, bad, task) for number, file, good, bad, _ in BUGS if file == name
+                      and isinstance(good, str) and (task := owner(number, file, good)) in AUTOGRAD_TASKS)
+                 for name in ("level2_theory/autograd.py", "level8_framework/tensor.py", "level8_framework/cpu.py",
+                              MLP3)]
 
 
 def test_the_gradebook_grades_each_kind_of_submission(gradebook):
@@ -526,6 +673,18 @@ def test_the_gradebook_grades_each_kind_of_submission(gradebook):
     summary = (gradebook["book"] / "summary.md").read_text()
     assert "| 3.1 | linear_forward |" in summary and (gradebook["book"] / "summary.png").stat().st_size > 0
     assert bwrap.version() in summary and "6 GiB of memory" in summary and "20 s per call" in summary
+
+
+def test_the_gradebook_grades_the_autograd_tasks_from_the_submissions_code(gradebook):
+    """The tasks whose checks hand the worker numbers to build Values and Tensors from, and Adam's: the correct code
+    passes them, and each planted bug fails exactly its task (and blocks those that need it), in the sandbox."""
+    rows = {kind: gradebook["rows"][student] for student, kind in gradebook["kinds"].items()}
+    assert {task: rows["autograd: correct"][task]["status"] for task in AUTOGRAD_TASKS} == \
+        {task: "pass" for task in AUTOGRAD_TASKS}
+    failing = {task for *_, task in AUTOGRAD_BUGS}
+    expected = {task: "FAIL" if task in failing else "blocked" if failing & set(lab.task(task).needs) else "pass"
+                for task in AUTOGRAD_TASKS}
+    assert {task: rows["autograd: bugs"][task]["status"] for task in AUTOGRAD_TASKS} == expected
 
 
 def test_the_gradebook_keeps_the_graders_files_and_the_other_submissions_safe(gradebook):

@@ -1,4 +1,6 @@
-"""Adam and SGD with momentum against torch.optim, step by step: level 3's update functions and level 8's optimizers.
+"""Adam and SGD with momentum against torch.optim, step by step: level 3's update functions and level 8's optimizers;
+the optimizers' list (common/nets/optimizers.py) and the levels' contract for it; and every level that trains with Adam
+in lockstep with level 1 on real digits (common/harness/verify.py's rule, with Adam's state).
 
 The yardstick is PyTorch's own for float32 (common/harness/verify.py): the same steps in float64, from the same float32
 gradients. Per tensor, a result may be at most twice as far from float64 as torch.optim's float32 result is, plus the
@@ -14,8 +16,12 @@ import numpy as np
 import pytest
 import torch
 
+from common.harness import verify
 from common.harness.verify import U
+from common.levels import LEVELS, level
+from common.nets import get, optimizers
 from common.nets.mlp import init_params, param_shapes
+from conftest import require
 from ops_stand_in import device  # noqa: F401 (a fixture: cpu, cuda, cuda over a stand-in)
 
 STEPS = 30
@@ -204,3 +210,133 @@ def test_the_level8_mlp_trains_with_adam_as_torch_does(mnist):
     for name, value in reference.state_dict().items():
         np.testing.assert_allclose(ours.state_dict()[name], value, rtol=0, atol=1e-6, err_msg=name)
     assert ours.optimizer.state_dict()["state"][0]["step"] == 12
+
+
+# ---- the optimizers' list, and the levels' contract for it ----
+
+ADAM = optimizers.get("adam")
+ADAM_LEVELS = [pytest.param(n, marks=getattr(pytest.mark, f"level{n}"), id=f"level{n}") for n in ADAM.levels]
+
+
+def test_the_optimizers_are_listed_once():
+    """SGD at every level that trains; Adam at levels 1, 3 and 8, with torch.optim.Adam's defaults."""
+    assert optimizers.SGD.levels == tuple(lv.number for lv in LEVELS if lv.trains)
+    assert ADAM.levels == (1, 3, 8) and ADAM.state == ("step", "exp_avg", "exp_avg_sq")
+    defaults = torch.optim.Adam([torch.zeros(1, requires_grad=True)]).defaults
+    assert ADAM.hyper == {key: defaults[key] for key in ADAM.hyper}
+    assert optimizers.SGD.options == {} and ADAM.options == {"optimizer": "adam"}
+    with pytest.raises(KeyError, match="no optimizer 'adamw'; the optimizers are sgd, adam"):
+        optimizers.get("adamw")
+
+
+@pytest.mark.parametrize("number", ADAM_LEVELS)
+@pytest.mark.parametrize("network", ["mlp", pytest.param("lenet", marks=pytest.mark.lenet)])
+def test_a_level_says_its_optimizer_and_hands_over_its_state(number, network, mnist):
+    """variant() names Adam (nothing for SGD, every level's default); optimizer_state() is {} before the first step,
+    then PyTorch's names by parameter, copies; load_optimizer_state() takes another level's, which then steps on as
+    that level does, and {} forgets it."""
+    net = get(network)
+    cls = level(number).load(net)
+    params = net.network.init_params(1)
+    X, y = mnist[0][:48], mnist[1][:48]
+    model, sgd = cls(params, optimizer="adam"), cls(params)
+    assert model.variant()["optimizer"] == "adam" and "optimizer" not in sgd.variant()
+    assert model.optimizer_state() == {} and sgd.optimizer_state() == {}
+    model.train_epoch(X, y, 16, 1e-3)
+    state = model.optimizer_state()
+    assert list(state) == list(net.network.PARAM_NAMES)
+    for name, saved in state.items():
+        assert saved["step"] == 3 and set(saved) == set(ADAM.state)
+        assert saved["exp_avg"].shape == saved["exp_avg_sq"].shape == params[name].shape
+    state["fc1.bias"]["exp_avg"][:] = 7.0
+    assert not (model.optimizer_state()["fc1.bias"]["exp_avg"] == 7.0).any(), "optimizer_state() must copy"
+    reference = level(1).load(net)(model.state_dict(), optimizer="adam")
+    reference.load_optimizer_state(model.optimizer_state())
+    model.load_optimizer_state(reference.optimizer_state())  # a round trip through level 1
+    np.testing.assert_allclose(model.train_epoch(X, y, 16, 1e-3), reference.train_epoch(X, y, 16, 1e-3), rtol=1e-5)
+    assert model.optimizer_state()["fc1.bias"]["step"] == 6
+    model.load_optimizer_state({})
+    assert model.optimizer_state() == {}
+
+
+def test_level1_keeps_no_array_it_is_handed(mnist):
+    """torch.optim's load_state_dict keeps the tensors it is given, and counts steps up in the step tensor itself:
+    level 1 makes its own, so the state handed to it is the same after its steps."""
+    model = level(1).load()(init_params(1, 16), optimizer="adam")
+    model.train_epoch(mnist[0][:32], mnist[1][:32], 16, 1e-3)
+    state = model.optimizer_state()
+    kept = {name: {key: np.copy(value) for key, value in saved.items()} for name, saved in state.items()}
+    model.load_optimizer_state(state)
+    model.train_epoch(mnist[0][:32], mnist[1][:32], 16, 1e-3)
+    for name, saved in state.items():
+        for key, value in saved.items():
+            np.testing.assert_array_equal(value, kept[name][key], err_msg=f"{name} {key}")
+
+
+@pytest.mark.parametrize("number", ADAM_LEVELS)
+def test_bad_optimizers_and_states_are_refused_with_the_reason(number):
+    cls = level(number).load()
+    params = init_params(1, 4)
+    with pytest.raises(ValueError, match="optimizer must be one of \\['sgd', 'adam'\\], got 'adamw'"):
+        cls(params, optimizer="adamw")
+    model = cls(params, optimizer="adam")
+    good = {name: {"step": 2, "exp_avg": np.zeros_like(p), "exp_avg_sq": np.ones_like(p)} for name, p in params.items()}
+    model.load_optimizer_state(good)
+    bad = [
+        ([], TypeError, "an optimizer state is a dict"),
+        ({"fc1.weight": good["fc1.weight"]}, ValueError, "an entry for every parameter"),
+        ({**good, "fc2.bias": {"step": 2, "exp_avg": np.zeros(10)}}, ValueError, "fc2.bias has the keys"),
+        ({**good, "fc2.bias": {**good["fc2.bias"], "exp_avg": np.zeros(9)}}, ValueError, "exp_avg of fc2.bias must be"),
+        ({**good, "fc2.bias": {**good["fc2.bias"], "step": 0}}, ValueError, "step of fc2.bias must be a whole number"),
+        ({**good, "fc2.bias": {**good["fc2.bias"], "step": 3}}, ValueError, "the same"),
+        ({**good, "fc2.bias": {**good["fc2.bias"], "exp_avg_sq": -np.ones(10)}}, ValueError, "negative"),
+        ({**good, "fc2.bias": {**good["fc2.bias"], "exp_avg": np.full(10, np.nan)}}, ValueError, "NaN"),
+    ]
+    for state, error, words in bad:
+        with pytest.raises(error, match=words):
+            model.load_optimizer_state(state)
+        assert model.optimizer_state()["fc2.bias"]["step"] == 2, "a refused state must change nothing"
+    with pytest.raises(ValueError, match="SGD keeps no state"):
+        cls(params).load_optimizer_state(good)
+
+
+# ---- every level that trains with Adam, in lockstep with level 1 (common/harness/verify.py) ----
+
+# (level, device, float type): level 1's float64 twin (the rule's own sanity: it is closer to float64 than level 1),
+# level 3, level 8 on the CPU, and on a GPU level 1 and level 8.
+ADAM_IMPLEMENTATIONS = [
+    pytest.param((1, "cpu", "float64"), marks=pytest.mark.level1, id="level1-float64"),
+    pytest.param((1, "cuda", None), marks=[pytest.mark.level1, pytest.mark.gpu], id="level1-cuda"),
+    pytest.param((3, "cpu", None), marks=pytest.mark.level3, id="level3"),
+    pytest.param((8, "cpu", None), marks=pytest.mark.level8, id="level8-cpu"),
+    pytest.param((8, "cuda", None), marks=[pytest.mark.level8, pytest.mark.gpu], id="level8-cuda"),
+]
+# Short runs on real digits, a partial last batch included: the MLP 2 epochs of 150 images (batch 16: 10 steps an
+# epoch, the last of 6), from the initial weights, so that its first steps are Adam's first; LeNet-5 170 images from
+# weights 30 SGD steps in.
+ADAM_RUNS = [pytest.param("mlp", 150, 2, id="mlp"), pytest.param("lenet", 170, 1, marks=pytest.mark.lenet, id="lenet")]
+
+
+@pytest.mark.parametrize("impl", ADAM_IMPLEMENTATIONS)
+@pytest.mark.parametrize(("network", "n", "epochs"), ADAM_RUNS)
+def test_adam_in_lockstep_with_level1_on_real_digits(request, mnist, impl, network, n, epochs):
+    """Every step from level 1's parameters and Adam state: the loss, each parameter's update, both new moments and the
+    step count, by the rule; sign ties are rare (none measured in these runs)."""
+    number, where, dtype = impl
+    net = get(network)
+    require(level(number), where, request.config, net)
+    params = net.network.init_params(4)
+    if network == "lenet":
+        warm = level(1).load(net)(params)
+        warm.train_epoch(mnist[0][:480], mnist[1][:480], 16, 0.05)
+        params = warm.state_dict()
+    options = {"device": where, **({"dtype": dtype} if dtype else {})} if level(number).takes_device else {}
+    model = level(number).load(net)(params, optimizer="adam", **options)
+    X, y = mnist[0][:n], mnist[1][:n]
+    orders = [np.random.default_rng([4, e]).permutation(n).astype(np.int32) for e in range(epochs)]
+    records, diverged = verify.lockstep({"level": model}, params, X, y, orders, 16, 1e-3, network=net, optimizer=ADAM)
+    record = records["level"]
+    assert diverged is None and record.failure is None, record.failure
+    assert len(record.used) == epochs * -(-n // 16) and max(record.used) <= 1
+    assert record.names[-1] == f"{net.network.PARAM_NAMES[-1]}.exp_avg_sq"  # the moments were checked too
+    assert len(record.ties) <= 2, [t.describe() for t in record.ties]

@@ -10,17 +10,27 @@ larger reach for ties) fails these tests.
               accuracy within max(the images the twin flipped, 10)
     per layer: each layer's output and each gradient, from the level's own inputs, within 2x level 1's distance
               from float64 + 34u of its size; a ReLU or a pool exactly
+    Adam:     the float64 step from level 1's parameters and state: each parameter's update and each new moment (m,
+              v) by the update rule, `update` its change in the step; the step count exactly
+    Adam's sign: an element whose new m is within R_m = 0.1 R + 4u (|m_before| + |g| + R) of 0 takes the level's side
+              of 0, R its gradient's reach; for the MLP's fc2.bias R = the sum over the batch of gamma_B (|dz| + E_dz)
+              + E_dz, then R + u (|g| + R), where E_dz = (p (1 - p)(e^(2 max E_z) - 1) + p (2 |z - max z| + 64) u
+              + 3u (p + onehot)) / B, E_z = gamma_(H+1) (|W2| (|a| + E_a) + |b2|) + |W2| E_a, E_a = E_h where
+              h > -E_h (else 0), E_h = gamma_785 (|W1| |x| + |b1|)
 """
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from common.harness import verify, verify_lenet
 from common.levels import level
-from common.nets import get, lenet, mlp
+from common.nets import get, lenet, mlp, optimizers
 
 pytestmark = pytest.mark.harness
 
@@ -330,3 +340,181 @@ def test_the_per_layer_rule_of_each_layer(start, batches, network, check, share)
         assert failure.startswith(f"per layer: {what}"), failure
         if not exact_layer:
             assert shares[check] == pytest.approx(share, rel=0.05)
+
+
+# ---- Adam: the update rule for every parameter and both moments, from level 1's state; and its sign ties ----
+
+ADAM = optimizers.get("adam")
+ADAM_LR = 1e-3
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+@pytest.fixture(scope="module")
+def adam_start(start, mnist):
+    """Each network's parameters and level 1's Adam state after 10 Adam steps from `start`, on other digits."""
+    out = {}
+    for name in ("mlp", "lenet"):
+        reference = level(1).load(get(name))(start[name], optimizer="adam")
+        reference.train_epoch(mnist[0][480:640], mnist[1][480:640], 16, ADAM_LR)
+        out[name] = reference.state_dict(), reference.optimizer_state()
+    return out
+
+
+def one_adam_step(network: str, candidate, params, state, X, y) -> verify.LockstepRecord:
+    """Lockstep over one batch of all of X with Adam, level 1 and the candidate starting from `state`."""
+    reference = level(1).load(get(network))(params, optimizer="adam")
+    reference.load_optimizer_state(state)
+    run = verify.Lockstep(reference, {"level": candidate}, X, y, ADAM_LR, get(network).float64_step(), ADAM)
+    with verify.torch_threads(1):
+        run.step(np.arange(len(X)))
+    assert run.reference_diverged is None
+    return run.records["level"]
+
+
+def with_moments(params: dict, state: dict) -> dict:
+    """Parameters and Adam's moments by name, "fc1.weight.exp_avg" for fc1.weight's m."""
+    return {**params, **{f"{name}.{key}": state[name][key] for name in params for key in MOMENTS}}
+
+
+class AdamLevel1:
+    """Level 1 with Adam, every method of the contract passed through; a subclass changes its step."""
+
+    def __init__(self, network: str, params):
+        self.inner = level(1).load(get(network))(params, optimizer="adam")
+
+    def layers(self, X, y):
+        return self.inner.layers(X, y)
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, params):
+        self.inner.load_state_dict(params)
+
+    def optimizer_state(self):
+        return self.inner.optimizer_state()
+
+    def load_optimizer_state(self, state):
+        self.inner.load_optimizer_state(state)
+
+
+class NudgedAdam(AdamLevel1):
+    """Level 1 with Adam, its step's result moved: one parameter tensor, or one moment ("fc1.weight.exp_avg"), to
+    `share` of the stated allowance from the float64 step."""
+
+    def __init__(self, network: str, params, tensor: str, share: float):
+        super().__init__(network, params)
+        self.network, self.tensor, self.share = get(network), tensor, share
+
+    def train_epoch(self, X, y, batch_size, lr, order=None):
+        params, state = self.inner.state_dict(), self.inner.optimizer_state()
+        exact = self.network.float64_step()(params, X[order], y[order], float(np.float32(lr)), ADAM, state)
+        observed = exact.observe(self.inner)
+        losses = self.inner.train_epoch(X, y, batch_size, lr, order)
+        after_params, after_state = self.inner.state_dict(), self.inner.optimizer_state()
+        after = with_moments(after_params, after_state)
+        expected = exact.take_reference(after, observed)
+        allowed = stated_allowance(after, expected, with_moments(params, state))[self.tensor]
+        name, key = self.tensor.rsplit(".", 1)
+        # a moment scaled, as a wrong beta would scale it (v stays >= 0, and where Adam takes a level's own m and v,
+        # its update from them barely moves); a parameter in a random direction
+        direction = expected[self.tensor] if key in MOMENTS else \
+            np.random.default_rng(0).standard_normal(expected[self.tensor].shape)
+        moved = expected[self.tensor] + self.share * allowed * direction / np.linalg.norm(direction)
+        moved = moved.astype(np.float32)
+        if key in MOMENTS:
+            after_state[name][key] = moved
+            self.inner.load_optimizer_state(after_state)
+        else:
+            self.inner.load_state_dict({**after_params, self.tensor: moved})
+        return losses
+
+
+ADAM_TENSORS = [pytest.param(network, name, id=f"{network}-{name}")
+                for network, names in (("mlp", mlp.PARAM_NAMES), ("lenet", lenet.PARAM_NAMES))
+                for param in names for name in (param, *(f"{param}.{key}" for key in MOMENTS))]
+
+
+@pytest.mark.parametrize("share", SHARES)
+@pytest.mark.parametrize(("network", "tensor"), ADAM_TENSORS)
+def test_each_tensors_update_and_moments_rule_with_adam(adam_start, batches, network, tensor, share):
+    params, state = adam_start[network]
+    record = one_adam_step(network, NudgedAdam(network, params, tensor, share), params, state, *batches)
+    assert record.used[0] == pytest.approx(share, abs=0.2)  # the float32 rounding of the moved tensor, at most
+    assert (record.failure is not None) == (share > 1), record.failure
+    if share > 1:
+        name, key = tensor.rsplit(".", 1)
+        assert (f"the {key} of {name} (Adam's" if key in MOMENTS else f"the {tensor} update") in record.failure
+
+
+def stated_fc2_bias_reach(params, x, y) -> tuple[np.ndarray, np.ndarray]:
+    """(the gradient of the MLP's fc2.bias in float64, R: float32's reach on it, as the module's docstring says)."""
+    def gamma(n):
+        return n * U / (1 - n * U)
+
+    p = {k: torch.tensor(v, dtype=torch.float64, requires_grad=True) for k, v in params.items()}
+    x64, labels = torch.tensor(x, dtype=torch.float64), torch.tensor(y, dtype=torch.int64)
+    h = x64 @ p["fc1.weight"].T + p["fc1.bias"]
+    z = torch.relu(h) @ p["fc2.weight"].T + p["fc2.bias"]
+    F.cross_entropy(z, labels).backward()
+    w1, b1, w2, b2 = (p[k].detach().abs() for k in mlp.PARAM_NAMES)
+    h, z, batch = h.detach(), z.detach(), len(x)
+    e_h = gamma(785) * (x64.abs() @ w1.T + b1)
+    e_a = torch.where(h > -e_h, e_h, 0)
+    e_z = gamma(w2.shape[1] + 1) * ((torch.relu(h) + e_a) @ w2.T + b2) + e_a @ w2.T
+    probs, onehot = torch.softmax(z, dim=1), F.one_hot(labels, 10)
+    e_dz = (probs * (1 - probs) * torch.expm1(2 * e_z.max(dim=1, keepdim=True).values)
+            + probs * (2 * (z - z.max(dim=1, keepdim=True).values).abs() + 64) * U + 3 * U * (probs + onehot)) / batch
+    dz = (probs - onehot) / batch
+    reach = (gamma(batch) * (dz.abs() + e_dz) + e_dz).sum(dim=0)
+    g = p["fc2.bias"].grad
+    return g.numpy(), (reach + U * (g.abs() + reach)).numpy()
+
+
+class OtherSide(AdamLevel1):
+    """Level 1 with Adam, but at one element of one tensor it puts the new m on the other side of 0 (a quarter of
+    its size), its v and its update as Adam makes them from that m (torch.optim.Adam's defaults, in float64)."""
+
+    def __init__(self, params, tensor: str, index: int):
+        super().__init__("mlp", params)
+        self.tensor, self.index = tensor, index
+
+    def train_epoch(self, X, y, batch_size, lr, order=None):
+        before, state = self.inner.state_dict(), self.inner.optimizer_state()
+        losses = self.inner.train_epoch(X, y, batch_size, lr, order)
+        params, after = self.inner.state_dict(), self.inner.optimizer_state()
+        i, saved, t = self.index, after[self.tensor], after[self.tensor]["step"]
+        m_before, v_before = (float(state[self.tensor][key][i]) for key in MOMENTS)
+        m = -float(saved["exp_avg"][i]) / 4
+        g = (m - 0.9 * m_before) / 0.1
+        v = 0.999 * v_before + 0.001 * g * g
+        update = float(np.float32(lr)) / (1 - 0.9**t) * m / (np.sqrt(v) / np.sqrt(1 - 0.999**t) + 1e-8)
+        saved["exp_avg"][i], saved["exp_avg_sq"][i] = m, v
+        params[self.tensor][i] = float(before[self.tensor][i]) - update
+        self.inner.load_state_dict(params)
+        self.inner.load_optimizer_state(after)
+        return losses
+
+
+@pytest.mark.parametrize("share", SHARES)
+def test_the_sign_tie_rule_of_adam(adam_start, batches, share):
+    """fc2.bias[k]'s m_before set so that its new m in float64 is `share` times its stated reach R_m from 0, and a
+    level that puts that m on the other side of 0: a tie at 0.5 (reported with its tensor and index, the step passing),
+    a failure at 1.5 that no tie explains."""
+    params, state = adam_start["mlp"]
+    X, y = batches
+    g, reach = stated_fc2_bias_reach(params, X, y)
+    k = int(np.argmax(np.abs(g)))
+    state = copy.deepcopy(state)
+    m_before = state["fc2.bias"]["exp_avg"]
+    for _ in range(3):  # R_m counts |m_before| too: settle it
+        reach_m = 0.1 * reach[k] + 4 * U * (abs(float(m_before[k])) + abs(g[k]) + reach[k])
+        m_before[k] = np.float32((share * reach_m - 0.1 * g[k]) / 0.9)
+    assert 0.9 * float(m_before[k]) + 0.1 * g[k] == pytest.approx(share * reach_m, rel=1e-3)
+    record = one_adam_step("mlp", OtherSide(params, "fc2.bias", k), params, state, X, y)
+    if share < 1:
+        assert record.failure is None, record.failure
+        assert [(t.tensor, t.index) for t in record.ties] == [("fc2.bias", (k,))]
+    else:
+        assert record.failure and "fc2.bias" in record.failure and "no Adam sign tie explains it" in record.failure
+        assert not record.ties

@@ -6,7 +6,9 @@ computed here, at odd sizes and on MNIST rows, with inputs chosen to expose the 
 a batch of 13 (a missing 1/B), pre-activations exactly 0 (the ReLU's mask), weights that are not square (a transposed
 index), logits 2,000 apart (a softmax without its max). Level 3 is called directly; levels 4, 5 and 7 through small
 libraries that export their static functions one by one (tests/lab_level4.c, lab_memory.c, lab_level5.cu,
-lab_level7.cu), level 6's calls through cuBLAS's layout rules in NumPy. Level 2's tasks and the levels' rows are
+lab_level7.cu), level 6's calls through cuBLAS's layout rules in NumPy; the autograd engines of levels 2 and 8 and
+level 8's backward of matmul and of a broadcast add through common/classroom/lab_autograd.py, which builds their
+graphs from numbers (in a teacher's grade, in the submission's sandbox). Level 2's layers and the levels' rows are
 checked by tests marked the same way in test_level2.py and test_levels.py.
 
 The tolerance of a sum: float32 adds n terms, in any order and with or without fused multiply-adds, to within
@@ -17,6 +19,7 @@ exceed it, and each classic bug exceeds it by orders of magnitude.
 from __future__ import annotations
 
 import importlib
+import itertools
 import os
 import re
 import subprocess
@@ -27,7 +30,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.classroom import lab, lab_native, sandbox
+from common.classroom import lab, lab_autograd, lab_native, sandbox
 from common.classroom.sgemm import sgemm
 from common.harness.verify import LOSS_ATOL, LOSS_RTOL, U, gamma
 from common.levels import ROOT, level
@@ -114,13 +117,15 @@ OVERFLOW = ("NaN or infinity from finite logits: exp() overflowed. Subtract each
 WRONG_AXIS = "summed over the wrong axis: the sum runs over the batch's rows (level 2's chapter, section 3, 'Linear')"
 
 
-def assert_within(got, exact: np.ndarray, bound: np.ndarray, what: str, suspects: dict | None = None) -> None:
-    """got is float32, exact's shape, and within bound of it, entry by entry; else say where and by how much, and
-    which classic bug it looks like: the first of `suspects` (a hint -> what that bug computes) that got matches."""
+def assert_within(got, exact: np.ndarray, bound: np.ndarray, what: str, suspects: dict | None = None,
+                  dtype=np.float32) -> None:
+    """got is float32 (or dtype), exact's shape, and within bound of it, entry by entry; else say where and by how
+    much, and which classic bug it looks like: the first of `suspects` (a hint -> what that bug computes) that got
+    matches."""
     assert got is not None, f"{what} is None"
     got = np.asarray(got)
     hint = next((h for h, value in (suspects or {}).items() if value is not None and matches(got, value, bound)), None)
-    assert got.dtype == np.float32, f"{what} is {got.dtype}, not float32"
+    assert got.dtype == dtype, f"{what} is {got.dtype}, not {np.dtype(dtype).name}"
     assert got.shape == exact.shape, f"{what} has shape {got.shape}, not {exact.shape}" + (f": {hint}" if hint else "")
     err = np.abs(f64(got) - exact)
     bound = np.broadcast_to(bound, exact.shape) + np.finfo(np.float32).tiny
@@ -267,6 +272,88 @@ def test_sgd_update(layers):
                     "(level 1's chapter, section 3, 'Training')": f64(before[name]) - ratio * step} if ratio != 1 else {}
         assert_within(params[name], before[name] - step, 2 * U * (np.abs(f64(before[name])) + np.abs(step)), name,
                       suspects)
+
+
+# ---- Adam ----
+
+ADAM = "(torch.optim.Adam's documentation gives its algorithm)"
+EPS_INSIDE = f"eps went inside the square root: it is added to sqrt(v) / sqrt(1 - beta2^step), after the root {ADAM}"
+NO_BIAS_CORRECTION = ("no bias correction: m is divided by 1 - beta1^step and sqrt(v) by sqrt(1 - beta2^step), which "
+                      f"matter most in the first steps {ADAM}")
+NO_BIAS_CORRECTION1 = f"m's bias correction is missing: m is divided by 1 - beta1^step {ADAM}"
+NO_BIAS_CORRECTION2 = f"v's bias correction is missing: sqrt(v) is divided by sqrt(1 - beta2^step) {ADAM}"
+AS_IT_WAS = ("{what} is as it was: Adam updates it in place (x += ..., x[...] = ...), and the optimizer keeps the "
+             "moments for the next step")
+# Steps 1 and 2 (where the bias corrections are largest), 10 with other hyperparameters, and 1,000.
+ADAM_STEPS = [(1, {}), (2, {}), (10, {"lr": 0.01, "betas": (0.8, 0.99), "eps": 1e-6}), (1000, {})]
+ADAM_IDS = ["step-1", "step-2", "step-10-other-hyperparameters", "step-1000"]
+
+
+def adam_state(shapes: dict[str, tuple], step: int, seed: int) -> tuple[dict, dict, dict, dict]:
+    """(params, grads, exp_avg, exp_avg_sq), float32, before step `step`: gradients of every scale from 1e-9 to 1
+    (where eps decides the step, and where it counts for nothing), moments of their scale (zeros before step 1)."""
+    rng = np.random.default_rng(seed)
+    params, grads, m, v = {}, {}, {}, {}
+    for name, shape in shapes.items():
+        scale = 10.0 ** rng.uniform(-9, 0, shape)
+        params[name] = rng.standard_normal(shape).astype(np.float32)
+        grads[name] = (scale * rng.standard_normal(shape)).astype(np.float32)
+        m[name] = (0.3 * scale * rng.standard_normal(shape) * (step > 1)).astype(np.float32)
+        v[name] = (scale**2 * rng.uniform(0.2, 2.0, shape) * (step > 1)).astype(np.float32)
+    return params, grads, m, v
+
+
+def adam_exact(p, g, m, v, step: int, lr: float, betas: tuple, eps: float, corrected=(True, True),
+               eps_inside: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """torch.optim.Adam's step in float64 from float32 state: (p, m, v) after it; `corrected` and `eps_inside` make
+    its classic bugs."""
+    (b1, b2), g = betas, f64(g)
+    m = b1 * f64(m) + (1 - b1) * g
+    v = b2 * f64(v) + (1 - b2) * g * g
+    bc1 = 1 - b1**step if corrected[0] else 1.0
+    bc2 = 1 - b2**step if corrected[1] else 1.0
+    denom = np.sqrt(v + eps) / np.sqrt(bc2) if eps_inside else np.sqrt(v) / np.sqrt(bc2) + eps
+    return f64(p) - lr / bc1 * m / denom, m, v
+
+
+def check_adam(layers, shapes: dict[str, tuple], step: int, hyper: dict, seed: int) -> None:
+    """One call of adam_update from a float32 state, each parameter and moment against float64 from that state."""
+    lr, betas, eps = hyper.get("lr", 1e-3), tuple(hyper.get("betas", (0.9, 0.999))), hyper.get("eps", 1e-8)
+    params, grads, m, v = adam_state(shapes, step, seed)
+    before = {name: (params[name].copy(), m[name].copy(), v[name].copy()) for name in params}
+    layers.adam_update(params, grads, m, v, step, lr, betas, eps)
+    (b1, b2), U10 = betas, 1024 * U
+    for name, (p0, m0, v0) in before.items():
+        g = f64(grads[name])
+        p1, m1, v1 = adam_exact(p0, g, m0, v0, step, lr, betas, eps)
+        # The moments: a few roundings of each term (4u); 1 - beta2 of a float32 beta2 is u off, u g^2 in v.
+        m_bound = 4 * U * (np.abs(f64(m0)) + np.abs(g))
+        v_bound = 4 * U * (f64(v0) + (1 - b2) * g * g) + 2 * U * g * g
+        # The step lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps): m's absolute rounding, v's relative one halved by the
+        # root, and 1024u of the step for its five roundings and its constants' (bias corrections computed in float32
+        # are 64u off at step 1,000). Missing bias corrections move the step by 20% and more, eps inside the root by
+        # orders of magnitude where g is small, a learning rate 0.1% off by 1,000x this.
+        bc1, bc2 = 1 - b1**step, 1 - b2**step
+        root = np.sqrt(v1) / np.sqrt(bc2)
+        denom = root + eps
+        v_rel = np.divide(v_bound, 2 * v1, out=np.zeros_like(v1), where=v1 > 0)
+        step_bound = lr / bc1 * (m_bound + np.abs(m1) * ((root * v_rel + U * eps) / denom + U10)) / denom
+        p_bound = 2 * U * (np.abs(f64(p0)) + np.abs(f64(p0) - p1)) + step_bound
+        suspects = {EPS_INSIDE: adam_exact(p0, g, m0, v0, step, lr, betas, eps, eps_inside=True)[0],
+                    NO_BIAS_CORRECTION: adam_exact(p0, g, m0, v0, step, lr, betas, eps, (False, False))[0],
+                    NO_BIAS_CORRECTION1: adam_exact(p0, g, m0, v0, step, lr, betas, eps, (False, True))[0],
+                    NO_BIAS_CORRECTION2: adam_exact(p0, g, m0, v0, step, lr, betas, eps, (True, False))[0],
+                    AS_IT_WAS.format(what=f"the parameter {name}"): f64(p0)}
+        assert_within(params[name], p1, p_bound, name, suspects)
+        assert_within(m[name], m1, m_bound, f"exp_avg {name}", {AS_IT_WAS.format(what=f"exp_avg {name}"): f64(m0)})
+        assert_within(v[name], v1, v_bound, f"exp_avg_sq {name}",
+                      {AS_IT_WAS.format(what=f"exp_avg_sq {name}"): f64(v0)})
+
+
+@pytest.mark.parametrize("step, hyper", ADAM_STEPS, ids=ADAM_IDS)
+@pytest.mark.parametrize("task", task_params("adam_update"))
+def test_adam_update(layers, step, hyper):
+    check_adam(layers, param_shapes(37), step, hyper, seed=60)
 
 
 # ---- LeNet-5's convolution and max-pooling ----
@@ -524,6 +611,339 @@ def test_owned_units(task, request, hidden, units):
     assert (owned >= 0).all() and (owned <= units).all(), f"a block owns {owned.min()}..{owned.max()} units"
     units_seen = np.concatenate([np.arange(j, j + n) for j, n in zip(j0, owned)])
     np.testing.assert_array_equal(np.sort(units_seen), np.arange(hidden), err_msg="every unit needs exactly one owner")
+
+
+# ---- the chain rule automated: level 2's scalar engine, level 8's framework ----
+
+CHAIN_RULE = "(level 2's chapter, section 7, 'The chain rule, automated')"
+SORT_RECURSION = ("a recursive sort stops at Python's limit of 1,000 nested calls, and this graph is far deeper: keep "
+                  f"the nodes still to visit on a stack of your own {CHAIN_RULE}")
+LISTED_TWICE = ("a node reached along two paths is listed twice: list each node once, and remember which ones are "
+                f"visited {CHAIN_RULE}")
+BEFORE_PARENT = ("a node comes before a node it was computed from: a node goes in the order only after all its "
+                 f"parents {CHAIN_RULE}")
+OVERWRITTEN = ("a gradient overwritten instead of accumulated: a node used by several operations receives the sum of "
+               f"what each of them sends it, += and not = {CHAIN_RULE}")
+NOTHING_REACHED = ("no gradient reached the inputs: the walk starts at the output, whose gradient is 1, and visits the "
+                   f"nodes in reverse topological order {CHAIN_RULE}")
+NOT_ZEROED = ("a second backward() added to the first one's gradients: set every grad of the graph to 0 first "
+              f"{CHAIN_RULE}")
+EXP_OVERFLOW = ("exp() overflowed on finite logits: subtract the row's max first (level 2's chapter, section 4, "
+                "'Softmax without subtracting the max')")
+MAX_NOT_ADDED_BACK = ("off by the row's max: exp(z - m) takes m out of the sum, and log_sum_exp must add it back "
+                      "(level 2's chapter, section 4, 'Softmax without subtracting the max')")
+# Level 8's engine keeps PyTorch's rules (tensor.py's Tensor.backward).
+GRAD_REPLACED = ("a second backward() replaced .grad instead of adding to it: as in PyTorch, .grad accumulates until "
+                 "the optimizer's zero_grad()")
+NOT_FREED = ("a second backward() through a graph already walked did not raise: without retain_graph, backward() "
+             "frees each node it passes (its inputs and backward), and a node found freed raises RuntimeError(FREED)")
+NOT_REQUIRING = "a tensor that requires no grad is in the order: no gradient goes to it, and it is left out"
+# The engines compute in float64 (Python floats; level 8's tensors of these checks hold float64), so they differ from
+# PyTorch's float64 autograd in the order of their sums only: at most 4e-16 of 1 + |gradient| measured over these
+# graphs at 20 seeds. ENGINE_TOL leaves room; every classic bug is off by O(1) (a lost contribution, twice a gradient).
+ENGINE_TOL = 1e-10
+# The graphs' leaves: three scalars (level 2), or three vectors of three (level 8), and the probe's x and y.
+LEAVES = [0.7, -1.3, 0.4]
+TENSOR_LEAVES = np.array([[0.7, -0.2, 1.1], [-1.3, 0.5, 0.9], [0.4, -0.8, 0.3]])
+PROBE = [0.5, 3.0]
+
+
+def engine(function: str, *args, hints: dict[str, str] | None = None):
+    """common.classroom.lab_autograd's function, run here, or in a teacher's grade by the submission's sandboxed worker
+    (a Value or a Tensor cannot reach it, numbers can). An exception of the code under grade fails the check, with the
+    hint of the first name in `hints` (an exception's) that it shows."""
+    try:
+        if sandbox.submission():
+            return sandbox.remote_function("common.classroom.lab_autograd", function)(*args)
+        return getattr(lab_autograd, function)(*args)
+    except Exception as e:  # noqa: BLE001 - the code under grade raised (in the worker: a WorkerError says what)
+        text = str(e) if isinstance(e, sandbox.WorkerError) else f"{type(e).__name__}: {e}"
+        hint = next((h for name, h in (hints or {}).items() if name in text), None)
+        raise AssertionError(f"{hint}. {text[:300]}" if hint else text[:300]) from None
+
+
+def exact_gradients(expression: str, leaves, length: int = 0) -> list[np.ndarray]:
+    """For each output, the named nodes' d(output)/d(node) by PyTorch's autograd in float64, (named,) or (named, n)
+    for leaves of n values (the output summed); NaN for a node the output was not computed from."""
+    tensors = [torch.tensor(v, dtype=torch.float64, requires_grad=True) for v in leaves]
+    outputs, named = lab_autograd.EXPRESSIONS[expression](tensors, length)
+    shape = np.shape(leaves[0])
+    return [np.array([g.numpy() if g is not None else np.full(shape, np.nan) for g in
+                      torch.autograd.grad(output.sum(), named, allow_unused=True, retain_graph=True)])
+            for output in outputs]
+
+
+def assert_gradients(got, exact: np.ndarray, what: str, suspects: dict | None = None) -> None:
+    """The engine's gradients (float64) within ENGINE_TOL (1 + |exact|) of PyTorch's, where exact is not NaN (a node
+    the output was not computed from)."""
+    got, keep = np.asarray(got, dtype=np.float64), ~np.isnan(exact)
+    assert got.shape == exact.shape, f"{what}: {got.shape} gradients, not {exact.shape}"
+    if np.all((got[keep] == 0) | np.isnan(got[keep])) and np.any(exact[keep] != 0):
+        raise AssertionError(f"{NOTHING_REACHED}. {what}: none of {exact[keep].size} gradients came back")
+    bound = ENGINE_TOL * (1 + np.abs(np.where(keep, exact, 0)))
+    suspects = {h: np.where(keep, value, 0) for h, value in (suspects or {}).items()}
+    assert_within(np.where(keep, got, 0), np.where(keep, exact, 0), bound, what, suspects, dtype=np.float64)
+
+
+def overwritten(got, exact: np.ndarray, contributions: list) -> dict:
+    """The suspect of a gradient overwritten instead of accumulated, in a probe whose first node's gradient is the sum
+    of `contributions`: the part of that sum (some of them, not all) nearest to what the engine gave."""
+    if np.shape(got) != exact.shape:
+        return {}
+    parts = [sum(c) for n in range(1, len(contributions)) for c in itertools.combinations(contributions, n)]
+    nearest = min(parts, key=lambda part: np.nanmax(np.abs(np.asarray(got)[0] - part)))
+    return {OVERWRITTEN: np.concatenate([np.asarray(nearest, dtype=np.float64)[None], exact[1:]])}
+
+
+def assert_ran(errors: list[str], hints: dict[str, str] | None = None) -> None:
+    """Every backward() of a tensor_gradients run returned; else the first one's exception, with the hint of the first
+    name in `hints` that it shows."""
+    if failed := next((e for e in errors if e), None):
+        hint = next((h for name, h in (hints or {}).items() if name in failed), None)
+        raise AssertionError(f"{hint}. {failed}" if hint else failed)
+
+
+def assert_topological(order, edges, listed, root, what: str) -> None:
+    """order (indices of nodes) holds each listed node that root was computed from, and root, exactly once and
+    nothing else, each after its parents, root last; edges are the graph's (parent, child) pairs."""
+    order, edges, listed = np.asarray(order), np.asarray(edges).reshape(-1, 2), np.asarray(listed, dtype=bool)
+    assert (order >= 0).all(), f"the order holds {int((order < 0).sum())} entries that are no {what} of the graph"
+    counts = np.bincount(order, minlength=len(listed))
+    if (counts > 1).any():
+        k = int(counts.argmax())
+        raise AssertionError(f"{LISTED_TWICE}. {what} {k} is listed {counts[k]} times ({int((counts > 1).sum())} "
+                             "listed more than once)")
+    parents: dict[int, list[int]] = {}
+    for p, c in edges:
+        if listed[p]:
+            parents.setdefault(int(c), []).append(int(p))
+    expected, todo = {int(root)}, [int(root)]
+    while todo:
+        for p in parents.get(todo.pop(), ()):
+            if p not in expected:
+                expected.add(p)
+                todo.append(p)
+    if extra := set(order.tolist()) - expected:
+        k = min(extra)
+        raise AssertionError(f"{NOT_REQUIRING}. {what} {k} is listed" if not listed[k] else
+                             f"{what} {k} is listed, but the output was not computed from it")
+    assert not (missing := expected - set(order.tolist())), \
+        f"{len(missing)} of the graph's {len(expected)} {what}s are missing from the order"
+    position = np.empty(len(listed), dtype=np.int64)
+    position[order] = np.arange(len(order))
+    inside = listed[edges[:, 0]] & np.isin(edges[:, 1], order)
+    late = edges[inside][position[edges[inside][:, 0]] > position[edges[inside][:, 1]]]
+    if len(late):
+        raise AssertionError(f"{BEFORE_PARENT}. {what} {late[0][1]} is at {position[late[0][1]]}, its parent "
+                             f"{late[0][0]} at {position[late[0][0]]}")
+    assert order[-1] == root, f"the output is at {int(position[root])} of {len(order)}, not last"
+
+
+SORTS = [("fan_out", 0), ("used_thrice", 0), ("chain", 50_000)]
+SORT_IDS = ["fan-out", "used-thrice", "chain-50000"]
+
+
+def scalar_leaves(expression: str) -> list[float]:
+    """The leaves the visible checks give an expression: the probe's x and y, a chain's 1, or LEAVES."""
+    return {"used_thrice": PROBE, "chain": [1.0]}.get(expression, LEAVES)
+
+
+def tensor_leaves(expression: str) -> np.ndarray:
+    """As scalar_leaves, for level 8: vectors of three values (a chain's of one)."""
+    return {"used_thrice": TENSOR_LEAVES[:2], "chain": np.ones((1, 1))}.get(expression, TENSOR_LEAVES)
+
+
+def check_scalar_order(expression: str, leaves: list[float], length: int = 0) -> None:
+    """level 2's topological_order of the expression's first output, checked against the graph's edges."""
+    found = engine("scalar_order", expression, leaves, length, hints={"RecursionError": SORT_RECURSION})
+    assert_topological(*found, "node")
+
+
+def check_scalar_gradients(expression: str, leaves: list[float], length: int = 0) -> None:
+    """backward() of the first output, again (the same gradients, not twice them), then of the second if there is one:
+    the nodes it was computed from hold its gradients, not the sum of both."""
+    exact = exact_gradients(expression, leaves, length)
+    runs = [0, 0, 1][: len(exact) + 1]
+    got = engine("scalar_gradients", expression, leaves, runs, length, hints={"RecursionError": SORT_RECURSION})
+    assert_gradients(got[0], exact[0], "the grads")
+    # The first call was right: what differs after it can only come from what it left in the graph.
+    assert_gradients(got[1], exact[0], "the grads after a second backward()", {NOT_ZEROED: got[1]})
+    if len(exact) > 1:
+        assert_gradients(got[2], exact[1], "the grads after backward() of the second output", {NOT_ZEROED: got[2]})
+
+
+@pytest.mark.level2
+@pytest.mark.task("2.6")
+@pytest.mark.parametrize("expression, length", SORTS, ids=SORT_IDS)
+def test_scalar_topological_order(expression, length):
+    check_scalar_order(expression, scalar_leaves(expression), length)
+
+
+@pytest.mark.level2
+@pytest.mark.task("2.7")
+def test_scalar_backward_adds_every_contribution():
+    """2x + exp(x) + x y: x's gradient is the sum of three contributions (the first check, so its hint shows)."""
+    got = engine("scalar_gradients", "used_thrice", PROBE, [0])[0]
+    (exact,) = exact_gradients("used_thrice", PROBE)
+    x, y = PROBE
+    assert_gradients(got, exact, "the grads of (x, y)", overwritten(got, exact, [2.0, np.exp(x), y]))
+
+
+@pytest.mark.level2
+@pytest.mark.task("2.7")
+@pytest.mark.parametrize("expression, length", [("fan_out", 0), ("chain", 10_000)], ids=["fan-out", "chain-10000"])
+def test_scalar_backward(expression, length):
+    """The fan-out's six nodes (x, y, z, c, d, e), its two outputs; a chain 40,001 nodes deep."""
+    check_scalar_gradients(expression, scalar_leaves(expression), length)
+
+
+@pytest.mark.level2
+@pytest.mark.task("2.8")
+@pytest.mark.parametrize("B, C, scale", [(1, 10, 3.0), (4, 3, 3.0), (3, 10, 1000.0)],
+                         ids=["1x10", "4x3", "logits-of-2000"])
+def test_scalar_log_softmax_nll(B, C, scale):
+    check_log_softmax_nll(f64(normal(B, C, seed=51, scale=scale)), np.arange(B) % C)
+
+
+def check_log_softmax_nll(logits: np.ndarray, y: np.ndarray) -> None:
+    """log_sum_exp of each row, the row's loss log_sum_exp(z) - z[y] and its gradient, against PyTorch's float64.
+    Tolerance: float64 rounds z - max z to within 1e-16 |z|, which moves the loss and each probability by no more;
+    ENGINE_TOL (1 + max |z|) leaves room."""
+    lse, loss, grads = engine("scalar_log_softmax_nll", logits, y, hints={"OverflowError": EXP_OVERFLOW})
+    z = torch.tensor(logits, requires_grad=True)
+    exact_loss = F.cross_entropy(z, torch.as_tensor(y), reduction="none")
+    exact_loss.sum().backward()
+    exact_lse, largest = torch.logsumexp(z, 1).detach().numpy(), logits.max(axis=1)
+    bound = ENGINE_TOL * (1 + np.abs(logits).max(axis=1))
+    assert_within(lse, exact_lse, bound, "log_sum_exp", {MAX_NOT_ADDED_BACK: exact_lse - largest}, dtype=np.float64)
+    assert_within(loss, exact_loss.detach().numpy(), bound, "the row's loss", dtype=np.float64)
+    assert_within(grads, z.grad.numpy(), bound[:, None], "d loss / d z (softmax - onehot)", dtype=np.float64)
+
+
+def check_tensor_order(expression: str, leaves: np.ndarray, requires: list[bool], length: int = 0) -> None:
+    """level 8's topological_order of the expression's first output, leaves requiring grad as `requires` says."""
+    found = engine("tensor_order", expression, leaves, requires, length, hints={"RecursionError": SORT_RECURSION})
+    assert_topological(*found, "tensor")
+
+
+def check_tensor_gradients(expression: str, leaves: np.ndarray, length: int = 0) -> None:
+    """With retain_graph, backward() of the first output, then of the second (or the first again): each leaf's .grad,
+    and that of every named tensor, which retains its grad, is the sum of both. Without it, a second backward()
+    raises."""
+    exact = exact_gradients(expression, leaves, length)
+    got, errors = engine("tensor_gradients", expression, leaves, [0, len(exact) - 1], True, length)
+    assert_ran(errors, {"RecursionError": SORT_RECURSION})
+    assert_gradients(got[0], exact[0], ".grad")
+    second = exact[-1]
+    assert_gradients(got[1], exact[0] + np.nan_to_num(second), ".grad after a second backward()",
+                     {GRAD_REPLACED: np.where(np.isnan(second), exact[0], second)})
+    _, errors = engine("tensor_gradients", expression, leaves, [0, 0], False, length)
+    assert_ran(errors[:1])
+    assert errors[1].startswith("RuntimeError"), f"{NOT_FREED}. The second call {errors[1] or 'returned'}"
+
+
+@pytest.mark.level8
+@pytest.mark.task("8.1")
+@pytest.mark.parametrize("expression, length", SORTS, ids=SORT_IDS)
+def test_tensor_topological_order(expression, length):
+    """As level 2's, over tensors; in fan-out z requires no grad, and neither do the tensors made from it alone."""
+    leaves = tensor_leaves(expression)
+    check_tensor_order(expression, leaves, [True, True, False] if expression == "fan_out" else [True] * len(leaves),
+                       length)
+
+
+@pytest.mark.level8
+@pytest.mark.task("8.1")
+def test_tensor_backward_adds_every_contribution():
+    leaves = tensor_leaves("used_thrice")
+    got, errors = engine("tensor_gradients", "used_thrice", leaves, [0], False)
+    assert_ran(errors)
+    (exact,) = exact_gradients("used_thrice", leaves)
+    x, y = leaves
+    contributions = [np.full_like(x, 2.0), np.exp(x), y]
+    assert_gradients(got[0], exact, ".grad of (x, y)", overwritten(got[0], exact, contributions))
+
+
+@pytest.mark.level8
+@pytest.mark.task("8.1")
+@pytest.mark.parametrize("expression, length", [("fan_out", 0), ("chain", 10_000)], ids=["fan-out", "chain-10000"])
+def test_tensor_backward(expression, length):
+    """The fan-out's six tensors and its two outputs; a chain 20,001 tensors deep."""
+    check_tensor_gradients(expression, tensor_leaves(expression), length)
+
+
+MATMUL_UNTRANSPOSED = ("a transpose is missing: da pairs g with b transposed, db a transposed with g (level 2's "
+                       "chapter, section 4, 'Transposes and shapes')")
+NOT_IN_ITS_LAYOUT = ("the gradient of a transposed view (w.T) is not laid out as the view: compute it as the gradient "
+                     "of the array underneath, then view it with .T, as level 3 computes dw")
+# (M, K, N) of a (M, K) @ b (K, N): one of everything, all different, square, and MNIST rows times a layer's weights.
+MATMULS = [(1, 1, 1), (13, 37, 5), (5, 5, 5), (8, N_IN, 37)]
+LAYOUTS = [(False, False), (False, True), (True, False), (True, True)]
+
+
+@pytest.mark.level8
+@pytest.mark.task("8.2")
+@pytest.mark.parametrize("a_view, b_view", LAYOUTS, ids=["a@b", "a@bT", "aT@b", "aT@bT"])
+@pytest.mark.parametrize("M, K, N", MATMULS, ids=SIZE_IDS)
+def test_matmul_backward(images, M, K, N, a_view, b_view):
+    check_matmul_backward(inputs(M, K, images), normal(K, N, seed=71, scale=0.1), normal(M, N, seed=72), a_view,
+                          b_view)
+
+
+def check_matmul_backward(a: np.ndarray, b: np.ndarray, g: np.ndarray, a_view: bool, b_view: bool) -> None:
+    """da and db against float64, each operand passed as it lies or as a transposed view; each gradient in its
+    operand's layout; no db where it is not needed."""
+    da, db, layouts = engine("matmul_backward", g, a, b, True, True, a_view, b_view)
+    (M, K), N = a.shape, b.shape[1]
+    a64, b64, g64 = f64(a), f64(b), f64(g)
+    exact_da, exact_db = g64 @ b64.T, a64.T @ g64
+    square = M == K == N
+    assert_within(da, exact_da, gamma(N) * np.abs(g64) @ np.abs(b64).T, "da",
+                  {TRANSPOSED: exact_da.T if square else None, MATMUL_UNTRANSPOSED: g64 @ b64 if N == K else None})
+    assert_within(db, exact_db, gamma(M) * np.abs(a64).T @ np.abs(g64), "db",
+                  {TRANSPOSED: exact_db.T if square else None, MATMUL_UNTRANSPOSED: a64 @ g64 if M == K else None})
+    for name, layout, view in (("da", layouts[0], a_view), ("db", layouts[1], b_view)):
+        assert layout is None or layout == view, f"{NOT_IN_ITS_LAYOUT}: {name}" if view else \
+            f"{name} is laid out as a transposed view, its operand is not: give it the operand's layout"
+    da_alone, db_none, _ = engine("matmul_backward", g, a, b, True, False, a_view, b_view)
+    assert db_none is None, "db was not asked for (need_b False), and must be None"
+    np.testing.assert_array_equal(da_alone, da, err_msg="da without db differs from da with it")
+
+
+NOT_SUMMED = ("the broadcast axes are not summed: an input stretched along an axis was used once per position there, "
+              "and its gradient adds them all (level 2's chapter, section 3, 'Linear')")
+SIZE_ONE_NOT_SUMMED = ("summed over the leading axes only: an axis of size 1 in the input, stretched by the broadcast, "
+                       "is summed too, and stays of size 1 (level 2's chapter, section 3, 'Linear')")
+MEAN_NOT_SUM = "the mean over the broadcast axes, not the sum: each position's gradient counts in full"
+# (g's shape, the input's): a layer's bias, a row and a column kept as 2-D, a channel's bias of a convolution,
+# trailing axes, a single value, sizes of 1 on both sides, and no broadcast at all.
+BROADCASTS = [((13, 37), (37,)), ((13, 37), (1, 37)), ((13, 37), (13, 1)), ((2, 3, 5, 4), (3, 1, 1)),
+              ((2, 3, 5, 4), (5, 4)), ((3, 4), ()), ((1, 1), (1,)), ((4, 5), (4, 5))]
+
+
+@pytest.mark.level8
+@pytest.mark.task("8.3")
+@pytest.mark.parametrize("g_shape, shape", BROADCASTS, ids=lambda s: "x".join(map(str, s)) or "scalar")
+def test_broadcast_backward(g_shape, shape):
+    check_sum_to(normal(*g_shape, seed=81), shape)
+
+
+def check_sum_to(g: np.ndarray, shape: tuple[int, ...]) -> None:
+    """sum_to(g, shape) against g summed in float64 over the axes a broadcast of `shape` to g's shape adds or
+    stretches: within gamma_n of the sum of the |terms|, n the number of terms."""
+    got = engine("sum_to", g, shape)
+    lead = g.ndim - len(shape)
+    stretched = tuple(lead + i for i, n in enumerate(shape) if n == 1 and g.shape[lead + i] != 1)
+    axes, g64 = tuple(range(lead)) + stretched, f64(g)
+    count = int(np.prod([g.shape[a] for a in axes]))
+    exact = g64.sum(axis=axes).reshape(shape)
+    first = g64[tuple(0 if a in axes else slice(None) for a in range(g.ndim))].reshape(shape)
+    unchanged = np.shape(got) == g.shape != shape  # g given back as it is
+    suspects = {NOT_SUMMED: g64 if unchanged else first if count > 1 else None,
+                SIZE_ONE_NOT_SUMMED: g64.sum(axis=tuple(range(lead))) if stretched else None,
+                MEAN_NOT_SUM: exact / count if count > 1 else None}
+    assert_within(got, exact, gamma(count) * np.abs(g64).sum(axis=axes).reshape(shape), "the input's gradient",
+                  suspects)
 
 
 # ---- the chapters' exercises ----

@@ -33,6 +33,7 @@ class Task:
     points: int
     needs: tuple[str, ...] = ()  # tasks whose code its checks run too: it is graded once they pass
     exercise: bool = False  # a chapter's exercise: its level runs without it
+    optional: bool = False  # what the level's own run never calls (it trains with SGD): its row runs without it too
 
     @property
     def level(self) -> int:
@@ -55,6 +56,9 @@ NUMPY_LENET = "level3_numpy/lenet.py"
 C_LENET = "level4_c/lenet.c"
 CONV64 = "against float64 at odd sizes and on MNIST digits"
 CUDA_LENET = "level5_cuda_naive/lenet.cu"
+AUTOGRAD = "level2_theory/autograd.py"
+FRAMEWORK_CPU = "level8_framework/cpu.py"
+GRADS64 = "gradients against float64, values used many times"
 
 _WRITTEN = (
     Task("2.1", "linear layer", "level2_theory/backprop.py", "forward; dx, dW, db by finite differences, autograd", 3),
@@ -63,6 +67,10 @@ _WRITTEN = (
          "softmax, loss; dlogits by finite differences, autograd", 3),
     Task("2.5", "tanh_backward", "level2_theory/backprop.py", "the chapter's exercise, by finite differences", 2,
          exercise=True),
+    Task("2.6", "topological_order", AUTOGRAD, "each node once, after its parents; a chain 200,001 nodes deep", 2),
+    Task("2.7", "backward", AUTOGRAD, f"{GRADS64}; backward() twice, from a second output", 3, needs=("2.6",)),
+    Task("2.8", "log-softmax + NLL", AUTOGRAD, "log_sum_exp and a row's loss and gradient against float64; logits "
+         "of 2,000", 2, needs=("2.6", "2.7")),
     Task("3.1", "linear_forward", "level3_numpy/mlp.py", f"x w^T + b {FLOAT64}", 2),
     Task("3.2", "linear_backward", "level3_numpy/mlp.py", f"dx, dw, db {FLOAT64}; square w", 4),
     Task("3.3", "relu_forward", "level3_numpy/mlp.py", "exactly max(h, 0), zeros included", 1),
@@ -77,6 +85,8 @@ _WRITTEN = (
          needs=("3.10",)),
     Task("3.12", "maxpool_forward", NUMPY_LENET, "each window's maximum and its position, the first of equal ones", 2),
     Task("3.13", "maxpool_backward", NUMPY_LENET, "the gradient to the chosen element alone, ties included", 2),
+    Task("3.14", "adam_update", "level3_numpy/mlp.py", "one step from a state against float64: steps 1-1,000, "
+         "gradients 1e-9 to 1", 3, optional=True),
     Task("4.1", "linear_forward", C_LAYERS, f"x w^T + b {FLOAT64}", 3),
     Task("4.2", "linear_backward", C_LAYERS, f"dx, dw, db {FLOAT64}; dx NULL", 5),
     Task("4.3", "relu_forward", C_LAYERS, "exactly max(h, 0), zeros included", 1),
@@ -109,12 +119,17 @@ _WRITTEN = (
     Task("6.3", "dx = dout @ w", CUBLAS, "the call through cuBLAS's column-major rules (common/classroom/sgemm.py)", 3),
     Task("7.1", "grid_barrier", FUSED, "1,000 rounds: no block leaves before every block has arrived", 5),
     Task("7.2", "owned_units", FUSED, "every hidden unit has exactly one owner, the last block fewer", 3),
+    Task("8.1", "autograd", "level8_framework/tensor.py", f"the sort, as 2.6; {GRADS64}; .grad accumulated, graph "
+         "freed", 4),
+    Task("8.2", "matmul_backward", FRAMEWORK_CPU, f"da, db {FLOAT64}; transposed views, in their layout", 3),
+    Task("8.3", "broadcast backward", FRAMEWORK_CPU, "add's backward: g summed over the leading and stretched axes, "
+         "against float64", 2),
 )
 
 
 def _needs(*paths: str) -> tuple[str, ...]:
-    """The tasks of these files, but the chapters' exercises (a level runs without them)."""
-    return tuple(t.id for t in _WRITTEN if t.path in paths and not t.exercise)
+    """The tasks of these files, but the chapters' exercises and what the level's run never calls."""
+    return tuple(t.id for t in _WRITTEN if t.path in paths and not t.exercise and not t.optional)
 
 
 LEVEL_ROW = "the level's tests in tests/test_levels.py: lockstep with level 1, autograd, odd sizes"
@@ -486,7 +501,7 @@ def given_calls(path: str, root: Path = ROOT) -> set[str]:
         seen.add(file)
         texts.append(strip(file.read_text(), language(file) or "c"))
         queue += [folder / name for name in re.findall(r'#include\s+"([^"]+)"', texts[-1])
-                  for folder in (file.parent, root / "common")]
+                  for folder in (file.parent, root / "common" / "native")]
     tokens = [t for text in texts for t in c_tokens(text)]
     return {a for a, b in zip(tokens, tokens[1:]) if b == "(" and re.match(r"[A-Za-z_]", a)} - set(DENIED)
 
@@ -557,6 +572,10 @@ def lab_page(number: int, root: Path = ROOT) -> str:
     gpu = (f"\nThe checks of {', '.join(on_gpu)} run on an NVIDIA GPU; where there is none, `make grade` reports them "
            "as \"needs GPU\" (not graded, not failed). Without a GPU of your own, grade_on_gpu.ipynb runs them on a "
            "hosted GPU.\n" if on_gpu else "")
+    row = ("""
+A task without code of its own ("the level") runs the level's part of the main test suite once all its tasks pass:
+your functions together, in lockstep with level 1, the gold standard.
+""" if level_row(number) else "")
     return f"""# Lab {number}: {lv.title}
 
 Write each function below between its `BEGIN LAB` and `END LAB` markers, in place of the stub that fails with
@@ -575,10 +594,7 @@ repository) restores the version you were given.
 | task | write | checked | points |
 |---|---|---|---|
 {rows}
-
-A task without code of its own ("the level") runs the level's part of the main test suite once all its tasks pass:
-your functions together, in lockstep with level 1, the gold standard.
-"""
+{row}"""
 
 
 def _what(t: Task, root: Path) -> str:

@@ -304,7 +304,8 @@ def _copy_back(local, remote) -> None:
 # The functions a student writes that update arguments in place, and which (by position and by name): only those come
 # back from the worker. Any other change the submission makes to an argument stays in the worker, so that no function
 # can change the inputs its check computes the right answer from.
-IN_PLACE = {"sgd_update": {0: "params"}, "sgd_momentum_update": {0: "params", 2: "velocity"}}
+IN_PLACE = {"sgd_update": {0: "params"}, "sgd_momentum_update": {0: "params", 2: "velocity"},
+            "adam_update": {0: "params", 2: "exp_avg", 3: "exp_avg_sq"}}
 
 
 def _call(target: Worker, op: str, args, kwargs, timeout: float = CALL_TIMEOUT_S, what: str = "", **fields):

@@ -7,6 +7,12 @@ The level contract (every level's `MLP` has exactly these methods):
     .forward(X) -> logits (N, 10) float32
     .state_dict() -> float32 copies of the params, PyTorch names and layouts
     .load_state_dict(params) -> None: replace the parameters (same hidden size), as PyTorch's does
+A level that trains with more than SGD (common/nets/optimizers.py: levels 1, 3 and 8) also takes optimizer="adam" (SGD
+is the default), reports it in variant(), and exposes its optimizer's state so that a verifier can start each step
+from another's (common/harness/verify.py's lockstep):
+    .optimizer_state() -> {parameter name: {"step": steps taken, "exp_avg": m, "exp_avg_sq": v}}: PyTorch's state by
+        parameter name, copies (float32, as the parameters); {} before the first step, and for SGD, which keeps none
+    .load_optimizer_state(state) -> None: replace it (the same form; {} forgets it); nothing changes unless it all fits
 
 Conversions are few and documented: params and labels are copied to float32 / int32, and every check is
 made on the values the level will use (a float64 parameter of 1e39 is refused: it would be inf in float32).
@@ -25,6 +31,7 @@ import numpy as np
 from common.contract.device_arrays import DeviceArray, device_array, on_device
 from common.nets import mlp
 from common.nets.mlp import N_IN, N_OUT
+from common.nets.optimizers import OPTIMIZERS, Optimizer
 
 
 def check_params(params: dict[str, np.ndarray], hidden: int | None = None, network=mlp) -> dict[str, np.ndarray]:
@@ -50,6 +57,59 @@ def check_params(params: dict[str, np.ndarray], hidden: int | None = None, netwo
         if not np.isfinite(out[name]).all():
             raise ValueError(f"params[{name!r}] contains NaN or infinity (as float32, the type every level uses)")
     return out
+
+
+def check_optimizer(name: str) -> Optimizer:
+    """The entry of common/nets/optimizers.py that a level's optimizer= names."""
+    for optimizer in OPTIMIZERS:
+        if name == optimizer.name:
+            return optimizer
+    raise ValueError(f"optimizer must be one of {[o.name for o in OPTIMIZERS]}, got {name!r}")
+
+
+def check_optimizer_state(state: dict, params: dict[str, np.ndarray], optimizer: Optimizer,
+                          dtype=np.float32) -> dict[str, dict]:
+    """Validate an optimizer state for a model's parameters `params` (by name): {} (none), or for every parameter the
+    optimizer's state (its keys, PyTorch's names): "step", the steps taken (an integer >= 1, the same for every
+    parameter: they step together), and each array of the parameter's shape, finite as `dtype` ("exp_avg_sq", an
+    average of squares, >= 0). Returns copies, the arrays as `dtype`."""
+    if not isinstance(state, dict):
+        raise TypeError(f"an optimizer state is a dict {{parameter name: its state}}, got {type(state).__name__}")
+    if not state:
+        return {}
+    if not optimizer.state:
+        raise ValueError(f"{optimizer.title} keeps no state, got one for {sorted(state)}")
+    if set(state) != set(params):
+        raise ValueError(f"an optimizer state has an entry for every parameter, {list(params)}; got {sorted(state)}")
+    out = {}
+    for name, saved in state.items():
+        if not isinstance(saved, dict) or set(saved) != set(optimizer.state):
+            got = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
+            raise ValueError(f"the {optimizer.title} state of {name} has the keys {list(optimizer.state)}, got {got}")
+        out[name] = {"step": _step_count(saved["step"], name)}
+        for key in optimizer.moments:
+            value = np.asarray(saved[key])
+            if value.shape != params[name].shape or not np.issubdtype(value.dtype, np.floating):
+                raise ValueError(f"the {key} of {name} must be a floating-point array of its shape "
+                                 f"{params[name].shape}, got {value.dtype} {value.shape}")
+            with np.errstate(over="ignore"):
+                out[name][key] = np.array(value, dtype=dtype, order="C")
+            if not np.isfinite(out[name][key]).all() or (key.endswith("_sq") and (out[name][key] < 0).any()):
+                raise ValueError(f"the {key} of {name} holds NaN, infinity" + (" or a negative value (it averages "
+                                 "squares)" if key.endswith("_sq") else "") + f", as {np.dtype(dtype).name}")
+    if len({s["step"] for s in out.values()}) > 1:
+        raise ValueError(f"every parameter's step count must be the same (they step together), got "
+                         f"{ {name: s['step'] for name, s in out.items()} }")
+    return out
+
+
+def _step_count(step, name: str) -> int:
+    """An optimizer's count of steps taken, an integer >= 1 (a state exists only after a first step)."""
+    value = np.asarray(step)
+    number = value.ndim == 0 and value.dtype != bool and np.issubdtype(value.dtype, np.number)
+    if not (number and np.isfinite(value) and value == np.round(value) and value >= 1):
+        raise ValueError(f"the step of {name} must be a whole number of steps >= 1, got {step!r}")
+    return int(value)
 
 
 def hidden_size(params: dict[str, np.ndarray]) -> int:

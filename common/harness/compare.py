@@ -1,12 +1,12 @@
 """The main job: train every level this machine can run on the same data, from the same weights, and verify each.
 
-    python -m common.harness.compare [--model lenet] [--levels 1,3,4] [--epochs 10] [--train-size 10000] [--batch 8] ...
-    make compare ARGS="--levels 1,3,4"          make compare ARGS="--model lenet"
+    python -m common.harness.compare [--model lenet] [--optimizer adam] [--levels 1,3,4] [--epochs 10] [--batch 8] ...
+    make compare ARGS="--levels 1,3,4"          make compare ARGS="--model lenet"       ARGS="--optimizer adam"
 
-The network is one of common/nets' list (the MLP by default). Every level that implements it gets the same initial
-weights (its module's init_params) and visits the same batches in the
-same order. Each level's uninterrupted run is timed; then each is verified against level 1 on the CPU,
-the gold standard, by the two checks of common/harness/verify.py: lockstep at every step of the run, and its
+The network is one of common/nets' list (the MLP by default), the optimizer one of common/nets/optimizers.py's (SGD
+by default). Every level that implements both gets the same initial weights (the network's init_params) and visits
+the same batches in the same order. Each level's uninterrupted run is timed; then each is verified against level 1 on
+the CPU, the gold standard, by the two checks of common/harness/verify.py: lockstep at every step of the run, and its
 free run against float32 noise measured by level 1's float64 twin. Writes results.json and two plots
 (loss_curves.png, lockstep.png) to the output folder, prints one table, and exits non-zero when a level
 fails a check or diverges (on a GPU the peers of level1_pytorch/peers.py are checked too; their verdicts are reported).
@@ -32,7 +32,7 @@ from common.contract import immutable
 from common.harness import verify
 from common.harness.data import load_mnist, normalize
 from common.levels import LEVELS, ROOT, THE_MLP, Level, gpu_available, level, missing
-from common.nets import NETWORKS, Network, get
+from common.nets import NETWORKS, Network, get, optimizers
 from common.nets.mlp import HIDDEN
 from level1_pytorch.peers import NAMES as PEERS  # on a GPU, the yardsticks of speed
 
@@ -168,7 +168,7 @@ def verify_runs(runs: list[Run], twin: Run, params, X, y, y_test, orders, args, 
     checked = [run for run in runs[1:] if not run.failure]
     models = {run.label: run.factory(params) for run in checked}
     records, reference_diverged = verify.lockstep(models, params, X, y, orders, args.batch, args.lr, quiet,
-                                                  args.network)
+                                                  args.network, args.optimizer)
     for run in checked:
         record = records[run.label]
         run.lockstep = {**record.summary(), "record": record}
@@ -320,12 +320,14 @@ def plot(runs: list[Run], twin: Run, out: Path, title: str, epochs: int) -> None
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="mlp", choices=[n.name for n in NETWORKS], help="the network (common/nets)")
+    p.add_argument("--optimizer", default=optimizers.DEFAULT, choices=[o.name for o in optimizers.OPTIMIZERS],
+                   help="the update (common/nets/optimizers.py); only the levels that implement it run")
     p.add_argument("--levels", default=None, help="comma-separated level numbers (default: every level of the model)")
     p.add_argument("--epochs", type=int, help="default: the model's chapter run (common/nets)")
     p.add_argument("--train-size", type=int, help="the first N training images (default: the chapter run's)")
     p.add_argument("--batch", type=int, help="default: the chapter run's")
     p.add_argument("--hidden", type=int, default=HIDDEN, help="the MLP's hidden units (LeNet-5 has fixed sizes)")
-    p.add_argument("--lr", type=float, help="default: the chapter run's")
+    p.add_argument("--lr", type=float, help="default: the optimizer's (Adam's: PyTorch's 1e-3), else the chapter run's")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shuffle", action="store_true", help="a seeded permutation per epoch, the same for every level")
     p.add_argument(
@@ -338,6 +340,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    f"(make bench: 3); a row whose rounds differ by more than {STEADY_RATIO}x is flagged, not published")
     args = p.parse_args(argv)
     network = args.network = get(args.model)  # the network, resolved once: everything after is handed this entry
+    optimizer = args.optimizer = optimizers.get(args.optimizer)  # likewise the optimizer
+    if args.lr is None and optimizer.lr is not None:
+        args.lr = optimizer.lr
     for name, value in network.run.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -392,45 +397,50 @@ def main(argv: list[str] | None = None) -> int:
     print(f"data: {data.source}")
     X, y, n = training_set(data, args)
     X_test, y_test = normalize(data.test_images), data.test_labels
-    network = args.network
+    network, optimizer = args.network, args.optimizer
     params = network.network.init_params(args.seed, args.hidden)
     orders = [epoch_order(n, epoch, args.seed, args.shuffle) for epoch in range(args.epochs)]
 
     runs: list[Run] = []
     for lv, device in runs_for(args.levels, gpu_available()):
-        if why := missing(lv, device, network):
+        if why := missing(lv, device, network, optimizer):
             print(f"skipping {lv.name} ({lv.title}): {'; '.join(why)}")
             continue
         for options in network.variants(lv.number):  # LeNet's levels 4 and 5: two convolutions; the MLP's 5: three
-            runs.append(Run(row_label(lv, device, options), lv.number, device, factory(lv, device, network, **options),
+            label = row_label(lv, device, options)
+            options = options | optimizer.options  # every row trains with it: the heading says so, not the label
+            runs.append(Run(label, lv.number, device, factory(lv, device, network, **options),
                             {"device": device, **options}))
     absent = {}
     if gpu_available() and not args.no_peers:
-        runs += peer_runs(network)
-        for name, why in (absent := missing_peers(network)).items():
+        absent = missing_peers(network) | {name: f"it trains with {optimizers.SGD.title} only, not {optimizer.title}"
+                                           for name in network.peers if name not in optimizer.peers}
+        runs += [run for run in peer_runs(network) if run.label.split("[")[0] not in absent]
+        for name, why in absent.items():
             print(f"skipping the peer {name}: {why}")
     if not runs or runs[0].label != REFERENCE:
         raise SystemExit(f"{REFERENCE} must run: it is the reference every level is checked against")
     for _ in range(args.rounds):  # a disturbance of the machine lands in one round of several rows
         for run in runs:
             train(run.factory(params), run, params, X, y, X_test, y_test, orders, args, quiet)
-    twin = train(factory(level(1), "cpu", network, dtype="float64")(params),
-                 Run("level1[cpu, float64]", 1, "cpu", None, {"device": "cpu", "dtype": "float64"}),
+    twin_options = {"dtype": "float64", **optimizer.options}
+    twin = train(factory(level(1), "cpu", network, **twin_options)(params),
+                 Run("level1[cpu, float64]", 1, "cpu", None, {"device": "cpu", **twin_options}),
                  params, X, y, X_test, y_test, orders, args, quiet)
     verify_runs(runs, twin, params, X, y, y_test, orders, args, quiet)
 
     steps_per_epoch = -(-n // args.batch)
     rows = summarize(runs, args, steps_per_epoch)
     print(
-        f"\n{network.title}: {n:,} images x {args.epochs} epochs, batch {args.batch}{size_note(args)}, lr {args.lr}, "
-        f"seed {args.seed}"
+        f"\n{network.title}: {n:,} images x {args.epochs} epochs, batch {args.batch}{size_note(args)}, "
+        f"{optimizer_note(optimizer)}lr {args.lr}, seed {args.seed}"
         f"{', shuffled' if args.shuffle else ''}; verified against {REFERENCE}: lockstep at every step, "
         f"free run against float32 noise (common/harness/verify.py)"
     )
     print(timing_rule(args.rounds) + "\n")
     print_table(rows)
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "quiet", "no_peers", "network")}
-    settings["train_size"] = n
+    settings["train_size"], settings["optimizer"] = n, optimizer.name
     if not network.has_hidden:
         del settings["hidden"]
     results = {
@@ -447,7 +457,8 @@ def main(argv: list[str] | None = None) -> int:
         "elapsed_s": time.perf_counter() - started,  # the whole job: data, training, every check
     }
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
-    plot(runs, twin, args.out, f"{network.title}, {n:,} images, batch {args.batch}{size_note(args)}", args.epochs)
+    plot(runs, twin, args.out, f"{network.title}, {n:,} images, batch {args.batch}{size_note(args)}"
+         f"{', ' + optimizer.title if optimizer.options else ''}", args.epochs)
     print(f"\nwrote {args.out / 'results.json'}, loss_curves.png and lockstep.png")
     for run in runs:
         record = run.lockstep and run.lockstep["record"]
@@ -472,6 +483,11 @@ def timing_rule(rounds: int) -> str:
     return (f"Timing: {WARM_UP}; every row timed {rounds} times, in rounds over the rows; us/step is the median of "
             f"the rounds' median epochs, with their range; a row whose rounds are more than {STEADY_RATIO}x apart "
             "is flagged unsteady and not published.")
+
+
+def optimizer_note(optimizer: optimizers.Optimizer) -> str:
+    """"Adam, " where the run trains with another optimizer than SGD, every level's default; nothing for SGD."""
+    return f"{optimizer.title}, " if optimizer.options else ""
 
 
 def size_note(args) -> str:

@@ -7,7 +7,9 @@
    for float32: the same step computed in float64 (`exact_step`); the level's result may be at most
    YARDSTICK times as far from it as level 1's is, plus the rounding of the result to float32, which no
    level can avoid. One exception is handled, not excused: a tie, a ReLU (or, in LeNet-5, a max-pool window) that
-   float32 may decide either way (common/harness/verify_lenet.py for LeNet's rule).
+   float32 may decide either way (common/harness/verify_lenet.py for LeNet's rule). With Adam, the step starts from
+   level 1's optimizer state too, and its new moments are checked as the parameters are; its ties are the elements
+   whose first moment float32 may put on either side of 0 (AdamRule).
 2. The free run, statistically. The level's uninterrupted run (the timed one) cannot be compared step
    by step: once a tie sends two float32 runs different ways, they part, as any two float32 trainings
    that sum in different orders do. So the free run is compared by what float32 noise allows, measured
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -30,6 +33,7 @@ from tqdm import tqdm
 from common.levels import THE_MLP, level
 from common.nets import Network
 from common.nets.mlp import N_IN, PARAM_NAMES
+from common.nets.optimizers import SGD, Optimizer
 
 # ---- 1. lockstep ----
 
@@ -90,6 +94,7 @@ class ExactStep:
     b1: np.ndarray  # (H)
     h: np.ndarray  # (B, H) the pre-activations
     da: np.ndarray  # (B, H) d(loss)/d(activation), the size of a flip
+    grads: dict[str, np.ndarray] = field(default_factory=dict)  # float64, for another optimizer's update (Adam)
 
     def candidates(self) -> tuple[np.ndarray, np.ndarray]:
         """(rows, units) where float32 may put h on either side of 0: |h| <= gamma_n * S."""
@@ -112,11 +117,14 @@ def exact_step(params: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray, lr: 
     loss.backward()
     stepped = {name: (t - lr * t.grad).detach().numpy() for name, t in p.items()}
     w1, b1 = (p[name].detach().numpy() for name in ("fc1.weight", "fc1.bias"))
-    return ExactStep(loss.item(), stepped, x64.numpy(), w1, b1, h.detach().numpy(), a.grad.numpy())
+    return ExactStep(loss.item(), stepped, x64.numpy(), w1, b1, h.detach().numpy(), a.grad.numpy(),
+                     {name: t.grad.numpy() for name, t in p.items()})
 
 
 def explain_flips(residual_w: np.ndarray, residual_b: np.ndarray, exact: ExactStep, lr: float):
-    """The ReLU flips (row, unit) at tie candidates that explain residuals of fc1.weight (H, 784) and fc1.bias (H).
+    """The ReLU flips (row, unit) at tie candidates that explain residuals of fc1.weight (H, 784) and fc1.bias (H):
+    of the parameters after SGD's step, where a flip moves them by lr times its gradient; or, given 1 - beta1 as `lr`,
+    of Adam's first moment.
 
     Returns (dw, db, flips): the change the flips make to the update, to add to the expected one.
     """
@@ -157,13 +165,20 @@ class Tie:
 
 
 class MlpStep:
-    """The MLP's float64 step, and the ReLU flips (closed form, explain_flips) that explain a float32 result."""
+    """The MLP's float64 step, and the ReLU flips (closed form, explain_flips) that explain a float32 result; with
+    Adam (optimizer, and level 1's state before the step), Adam's update and its sign ties (AdamRule)."""
 
     names = PARAM_NAMES
 
-    def __init__(self, params: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray, lr: float):
+    def __init__(self, params: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray, lr: float,
+                 optimizer: Optimizer = SGD, state: dict | None = None):
         self.exact, self.lr = exact_step(params, x, y, lr), lr
         self.loss, self.params = self.exact.loss, dict(self.exact.params)
+        self.adam = None
+        if optimizer.state:
+            self.adam = AdamRule(params, state, lr, optimizer, lambda: gradient_reach(MLP_REACH, params, x, y))
+            self.grads = self.exact.grads  # the float64 gradients, level 1's ReLU decisions taken (take_reference)
+            self.params = self.adam.step(self.grads)
 
     def observe(self, model) -> None:
         """What the step needs of an implementation before it steps: nothing, the flips have a closed form."""
@@ -172,6 +187,10 @@ class MlpStep:
     def take_reference(self, after: dict[str, np.ndarray], observed=None) -> dict[str, np.ndarray]:
         """Level 1's step ended at `after`: where it went the other way from exact arithmetic at a tie (its fc1
         update moved further than rounding), the float64 step follows it from now on. Returns that step."""
+        if self.adam:
+            self.grads = self._adam_flips(after, -1, None, None)[0]
+            self.params = self.adam.take_reference(self.grads, after)
+            return dict(self.params)
         self.params = self.follow(after, observed, -1, None, None)[0]
         return dict(self.params)
 
@@ -179,6 +198,10 @@ class MlpStep:
                allowed: dict | None) -> tuple[dict[str, np.ndarray], list[Tie]]:
         """(the float64 step taking the ReLU flips that explain `got`, the flips as ties), searched where `got` is
         past `allowed` (None: further than rounding)."""
+        if self.adam:
+            grads, ties = self._adam_flips(got, k, batch, allowed)
+            expected, signs = self.adam.follow(grads, got, k)
+            return expected, ties + signs
         first = ("fc1.weight", "fc1.bias")
         far = [_flipped(_norm(got[n] - self.params[n]), self.params[n]) if allowed is None
                else _norm(got[n] - self.params[n]) > allowed[n] for n in first]
@@ -191,10 +214,244 @@ class MlpStep:
                                          for r, j in flips]
         return expected, ties
 
-    @staticmethod
-    def unexplained(name: str) -> str:
-        """What a failure of this tensor adds: only fc1's updates can hold a tie."""
-        return "; no ReLU tie explains it" if name.startswith("fc1") else ""
+    def _adam_flips(self, got: dict[str, np.ndarray], k: int, batch: np.ndarray | None, allowed: dict | None):
+        """(the float64 gradients taking the ReLU flips that explain `got`'s first moments of fc1, the flips as ties):
+        a flip adds da[r, j] [x_r, 1] to a row's gradient, so (1 - beta1) times that to its m. Searched where the m is
+        past `allowed` (None: past its rounding)."""
+        first = ("fc1.weight", "fc1.bias")
+        residual = [got[f"{n}.exp_avg"] - self.params[f"{n}.exp_avg"] for n in first]
+        limits = [allowed[f"{n}.exp_avg"] if allowed else (2 + FLOOR) * U * _norm(self.params[f"{n}.exp_avg"])
+                  for n in first]
+        if all(_norm(r) <= limit for r, limit in zip(residual, limits)):
+            return dict(self.grads), []
+        weight = 1 - self.adam.beta1
+        dw, db, flips = explain_flips(*residual, self.exact, weight)
+        grads = {**self.grads, first[0]: self.grads[first[0]] + dw / weight,
+                 first[1]: self.grads[first[1]] + db / weight}
+        ties = [] if batch is None else [Tie(k, j, int(batch[r]), float(self.exact.h[r, j]), self.exact.bound(r, j))
+                                         for r, j in flips]
+        return grads, ties
+
+    def unexplained(self, name: str) -> str:
+        """What a failure of this tensor adds: only fc1's updates can hold a ReLU tie; with Adam, any a sign tie."""
+        ties = (["ReLU"] if name.startswith("fc1") else []) + (["Adam sign"] if self.adam else [])
+        return f"; no {' or '.join(ties)} tie explains it" if ties else ""
+
+
+# ---- Adam: its step in float64, and its sign ties ----
+# With Adam (common/nets/optimizers.py) each step starts from level 1's parameters and level 1's optimizer state (its
+# step count and both moments, loaded into the level, and converted to float64 for the float64 step), which takes
+# torch.optim.Adam's step in exact arithmetic:
+#     m = m + (1 - beta1)(g - m)    v = beta2 v + (1 - beta2) g^2    p = p - lr / bc1 m / (sqrt(v) / sqrt(bc2) + eps)
+# (bc1 = 1 - beta1^t, bc2 = 1 - beta2^t at step t). Lockstep then checks the parameters AND the new m and v (exp_avg,
+# exp_avg_sq), tensor by tensor, by the rule above; the step count exactly, as an integer.
+#
+# Sign ties. At the first step m = (1 - beta1) g and v = (1 - beta2) g^2, so the update is lr g / (|g| + eps): about
+# lr sign(g), however small g is. Where a gradient element is within float32's reach of 0, two correct float32 levels
+# may put it on either side of 0 and move that element up to 2 lr apart: a tie, as a ReLU's is, but in the optimizer.
+# Beyond the first step the same holds wherever the new m is within reach of 0 while v is small too, an element whose
+# every gradient so far was (a weight of a pixel the batches rarely light): Adam then divides one number within
+# float32's reach of 0 by another, and not only the update's sign but its size is float32's to choose, by up to lr.
+# Where v is not small, the update there is tiny either way. So the rule is on m:
+#   R    float32's reach on each gradient element: a rigorous bound on how far a float32 level's gradient can be from
+#        the float64 one, carried through the layers forward and back (gradient_reach, below);
+#   R_m  = (1 - beta1) R + 4u (|m_before| + |g| + R), R_v = (1 - beta2)(2 |g| R + R^2) + 4u (beta2 v_before +
+#        (1 - beta2)(|g| + R)^2): the reach on the new m and v (their own roundings too);
+#   a candidate: an element whose new m in float64 is within R_m of 0. There, if the level's new m and v are within
+#   R_m and R_v of the float64 ones, the float64 step takes the level's side of 0: its update is Adam's formula applied,
+#   in float64, to the level's own m and v (and so, where Adam divides tiny by tiny, their size too); where the level's
+#   m is on the other side of 0, its m and v are taken as well. Elsewhere, candidates included, the moments are checked
+#   against the float64 step by the rule above. Level 1's side first (the float64 step follows level 1), then the
+#   level's; each element whose m the level put on another side of 0 than level 1 did is reported as a tie, with its
+#   tensor and index. Nothing is taken anywhere else: a difference there fails the rule above.
+# The reach, carried as common/harness/verify_lenet.py carries a pre-activation's (gradient_reach):
+#   forward, each layer: E_out = gamma_n (|W| (|a| + E_in) + |b|) + |W| E_in, n the terms of each sum; a ReLU passes
+#       E where its input may be positive (h > -E), a 2 x 2 max-pool the largest E of its window;
+#   the logits' gradient dz = (p - onehot) / B, p the softmax: E_dz = (|dp| + 3u (p + onehot)) / B, where
+#       |dp| <= p (1 - p)(e^(2 max E_z) - 1) + p (2 |z - max z| + 64) u  (the logits' bounds, and the softmax's own
+#       rounding: exp and log within 4 ulps, as NumPy's, Sleef's and CUDA's are);
+#   backward, each layer, with D = |dz_out| + E_out (a bound on the level's gradient of the layer's output):
+#       E_in = gamma_f |W|^T D + |W|^T E_out  (f: the terms of each sum; the gradient of the layer's input);
+#       its weight's R = sum over the batch (and positions) of gamma_n D (|a| + E_in) + D E_in + E_out |a|, its bias's
+#       R = sum gamma_n D + E_out (n: the terms of the sum); a ReLU passes E back where it may pass, a max-pool to every
+#       element that may be its window's maximum (a_i + E_i >= a_j - E_j for all j);
+#   and R + u (|g| + R) in the end (a level may divide by B last).
+# R is a worst case, as the ReLU rule's reach is: the levels' actual gradient errors are 1e4 to 1e5 times smaller
+# (tests/test_optimizers.py checks that R bounds them), and for LeNet-5's convolutions R exceeds the gradient itself
+# (each layer a worst case, each layer's worst case carried through the next). It only says where a side may be taken.
+
+MOMENTS = {"exp_avg": "first moment m", "exp_avg_sq": "second moment v"}  # Adam's state, by PyTorch's names
+
+
+class AdamRule:
+    """Adam's step in float64, from a network's float64 gradients and level 1's state, and its sign ties (above)."""
+
+    def __init__(self, params: dict[str, np.ndarray], state: dict | None, lr: float, optimizer: Optimizer, reach):
+        self.start = {k: np.asarray(v, dtype=np.float64) for k, v in params.items()}
+        state = state or {}  # {} before the first step: both moments 0
+        self.m_before, self.v_before = ({k: np.asarray(state[k][key], dtype=np.float64) if state else np.zeros_like(p)
+                                         for k, p in self.start.items()} for key in ("exp_avg", "exp_avg_sq"))
+        self.t = (next(iter(state.values()))["step"] if state else 0) + 1
+        self.lr, (self.beta1, self.beta2), self.eps = lr, optimizer.hyper["betas"], optimizer.hyper["eps"]
+        self._reach, self._reached = reach, None  # () -> R by tensor, computed when first needed
+        self.reference_m: dict[str, np.ndarray] = {}  # level 1's new m
+
+    def step(self, grads: dict[str, np.ndarray], taken: dict | None = None) -> dict[str, np.ndarray]:
+        """The parameters after the step, and the new moments as "name.exp_avg", "name.exp_avg_sq"; taken: by tensor,
+        a level's side of 0 (candidates())."""
+        bc1, bc2 = 1 - self.beta1**self.t, 1 - self.beta2**self.t
+        out = {}
+        for name, g in grads.items():
+            m = self.m_before[name] + (1 - self.beta1) * (g - self.m_before[name])
+            v = self.beta2 * self.v_before[name] + (1 - self.beta2) * g * g
+            m_step, v_step = m, v
+            if taken:
+                side = taken[name]
+                m_step, v_step = np.where(side.update, side.m, m), np.where(side.update, side.v, v)
+                m, v = np.where(side.other, side.m, m), np.where(side.other, side.v, v)
+            out[name] = self.start[name] - self.lr / bc1 * m_step / (np.sqrt(v_step) / np.sqrt(bc2) + self.eps)
+            out[f"{name}.exp_avg"], out[f"{name}.exp_avg_sq"] = m, v
+        return out
+
+    def reach(self) -> dict[str, np.ndarray]:
+        """R, float32's reach on each gradient element (gradient_reach), once per step."""
+        if self._reached is None:
+            self._reached = self._reach()
+        return self._reached
+
+    def candidates(self, grads: dict[str, np.ndarray], got: dict[str, np.ndarray]) -> dict[str, Side]:
+        """By tensor, what the float64 step takes of a level's step `got` (Side)."""
+        taken = {}
+        for name, g in grads.items():
+            m_before, v_before, reach = self.m_before[name], self.v_before[name], self.reach()[name]
+            m = m_before + (1 - self.beta1) * (g - m_before)
+            v = self.beta2 * v_before + (1 - self.beta2) * g * g
+            reach_m = (1 - self.beta1) * reach + 4 * U * (np.abs(m_before) + np.abs(g) + reach)
+            reach_v = (1 - self.beta2) * (2 * np.abs(g) * reach + reach**2) + \
+                4 * U * (self.beta2 * v_before + (1 - self.beta2) * (np.abs(g) + reach) ** 2)
+            mine_m, mine_v = (np.asarray(got[f"{name}.{key}"], dtype=np.float64) for key in ("exp_avg", "exp_avg_sq"))
+            update = (np.abs(m) <= reach_m) & (np.abs(mine_m - m) <= reach_m) & (np.abs(mine_v - v) <= reach_v)
+            taken[name] = Side(update, update & (np.sign(mine_m) != np.sign(m)), mine_m, mine_v, m, reach_m)
+        return taken
+
+    def take_reference(self, grads: dict[str, np.ndarray], after: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The float64 step taking level 1's own moments at the candidates (its state after the step: `after`)."""
+        self.reference_m = {name: after[f"{name}.exp_avg"] for name in grads}
+        return self.step(grads, self.candidates(grads, after))
+
+    def follow(self, grads: dict[str, np.ndarray], got: dict[str, np.ndarray], k: int):
+        """(the float64 step taking the level's own moments at the candidates, the sign ties: the candidates whose m
+        the level put on another side of 0 than level 1 did)."""
+        taken = self.candidates(grads, got)
+        ties = []
+        for name, side in taken.items():
+            other = side.update & (np.sign(side.m) != np.sign(self.reference_m[name]))
+            ties += [SignTie(k, name, tuple(int(i) for i in index), float(side.exact[index]), float(side.reach[index]))
+                     for index in zip(*np.nonzero(other))]
+        return self.step(grads, taken), ties
+
+
+class Side(NamedTuple):
+    """What the float64 step takes of a level's step in one tensor, at Adam's candidates (the rule above)."""
+
+    update: np.ndarray  # where its update is taken from the level's own m and v: the candidates where they are in reach
+    other: np.ndarray  # where its m and v are taken too: those where the level's m is on the other side of 0
+    m: np.ndarray  # the level's new m, float64
+    v: np.ndarray  # ... and v
+    exact: np.ndarray  # the float64 step's m
+    reach: np.ndarray  # R_m
+
+
+@dataclass
+class SignTie:
+    """An element whose Adam first moment the level put on another side of 0 than level 1 did, within float32's reach
+    of 0: at this step, in this tensor, at this index."""
+
+    step: int
+    tensor: str
+    index: tuple[int, ...]
+    m: float  # its new first moment in exact arithmetic
+    bound: float  # float32's reach on it, R_m
+
+    def describe(self) -> str:
+        return (f"step {self.step}, {self.tensor}{list(self.index)}: Adam's first moment {self.m:.2g} in exact "
+                f"arithmetic, within float32's reach of 0 ({self.bound:.2g}); its sign, and its update's, went the "
+                "other way from level 1's")
+
+
+MLP_REACH = (("fc1", "fc"), ("relu1", "relu"), ("fc2", "fc"))  # the MLP as gradient_reach reads a network
+LINEAR = {"fc": F.linear, "conv": F.conv2d}
+
+
+def gradient_reach(layers: tuple[tuple[str, str], ...], params: dict[str, np.ndarray], x: np.ndarray,
+                   y: np.ndarray) -> dict[str, np.ndarray]:
+    """R, float32's reach on every gradient element of a step (the statement above), by parameter name. The network is
+    its layers in the forward order, (name, kind): "fc" or "conv" (its parameters name.weight and name.bias), "relu",
+    "pool" (2 x 2) or "flatten"; x is the batch as its first layer reads it. Decisions are exact arithmetic's, the
+    ReLUs and pools passing bounds wherever float32 may decide otherwise."""
+    p = {k: torch.tensor(np.asarray(v, dtype=np.float64), requires_grad=True) for k, v in params.items()}
+    a = torch.tensor(np.asarray(x, dtype=np.float64))
+    bound = torch.zeros_like(a)
+    kept = []  # what the backward needs of each layer
+    for name, kind in layers:
+        value = a.detach()
+        if kind in LINEAR:
+            w, b, op = p[f"{name}.weight"], p[f"{name}.bias"], LINEAR[kind]
+            with torch.no_grad():
+                next_bound = gamma(w[0].numel() + 1) * op(value.abs() + bound, w.abs(), b.abs()) + op(bound, w.abs())
+            a = op(a, w, b)
+            a.retain_grad()  # the gradient of its output, for the backward
+            kept.append((name, kind, (value, bound, a)))
+            bound = next_bound
+        elif kind == "relu":
+            may_pass = value > -bound
+            kept.append((name, kind, may_pass))
+            a, bound = torch.relu(a), bound * may_pass
+        elif kind == "pool":
+            may_win = value + bound >= _spread(F.max_pool2d(value - bound, 2))
+            kept.append((name, kind, may_win))
+            a, bound = F.max_pool2d(a, 2), F.max_pool2d(bound, 2)
+        else:  # flatten
+            kept.append((name, kind, a.shape))
+            a, bound = a.flatten(1), bound.flatten(1)
+    F.cross_entropy(a, torch.as_tensor(y, dtype=torch.int64)).backward()
+    z = a.detach()
+    probs, onehot = torch.softmax(z, dim=1), F.one_hot(torch.as_tensor(y, dtype=torch.int64), z.shape[1])
+    shift = z - z.max(dim=1, keepdim=True).values
+    carried = probs * (1 - probs) * torch.expm1(2 * bound.max(dim=1, keepdim=True).values)  # the logits' bounds
+    dp = carried + probs * (2 * shift.abs() + 64) * U  # and the softmax's own rounding
+    bound = (dp + 3 * U * (probs + onehot)) / len(z)
+    reach = {}
+    for name, kind, saved in reversed(kept):
+        if kind in LINEAR:
+            value, bound_in, out = saved
+            w, op = p[f"{name}.weight"], LINEAR[kind]
+            terms = out.numel() // out.shape[1]  # of each weight-gradient sum: a term per image (and position)
+            sums = [0, *range(2, out.ndim)]
+            gradient = out.grad.abs() + bound  # D
+            weight_terms, input_terms = _vjp(op, gamma(terms) * (value.abs() + bound_in) + bound_in, w.abs(), gradient)
+            weight_carried, input_carried = _vjp(op, value.abs(), w.abs(), bound)
+            reach[f"{name}.weight"] = weight_terms + weight_carried
+            reach[f"{name}.bias"] = gamma(terms) * gradient.sum(sums) + bound.sum(sums)
+            bound = gamma(w.shape[0] * w[0, 0].numel()) * input_terms + input_carried  # f: out features, or F k k
+        elif kind == "relu":
+            bound = bound * saved
+        elif kind == "pool":
+            bound = _spread(bound) * saved
+        else:
+            bound = bound.reshape(saved)
+    return {k: (r + U * (p[k].grad.abs() + r)).numpy() for k, r in reach.items()}
+
+
+def _spread(a: torch.Tensor) -> torch.Tensor:
+    """Each element of a 2 x 2 pool's output over its window: (n, c, h, w) -> (n, c, 2h, 2w)."""
+    return a.repeat_interleave(2, dim=-2).repeat_interleave(2, dim=-1)
+
+
+def _vjp(op, a: torch.Tensor, w: torch.Tensor, cotangent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The transposes of a layer's product op(a, w), applied to `cotangent`: (its weight's, its input's)."""
+    a, w = a.detach().requires_grad_(), w.detach().requires_grad_()
+    return torch.autograd.grad(op(a, w), (w, a), cotangent)
 
 
 @dataclass
@@ -248,7 +505,8 @@ class Step:
 
     k: int  # the step's number
     batch: np.ndarray  # its rows of the training set
-    before: dict[str, np.ndarray]  # level 1's parameters before it
+    names: tuple[str, ...]  # what is checked: the parameters, and with Adam its moments ("fc1.weight.exp_avg", ...)
+    before: dict[str, np.ndarray]  # level 1's parameters (and moments) before it
     after: dict[str, np.ndarray]  # ... and after it
     loss: float  # level 1's loss
     exact: MlpStep  # the float64 step (the network's kind: MlpStep, common.harness.verify_lenet.LeNetStep)
@@ -261,11 +519,14 @@ class Step:
 class Lockstep:
     """Steps level 1 one batch at a time and, from its parameters before each step, every level under test."""
 
-    def __init__(self, reference, models: dict, X: np.ndarray, y: np.ndarray, lr: float, float64_step=MlpStep):
+    def __init__(self, reference, models: dict, X: np.ndarray, y: np.ndarray, lr: float, float64_step=MlpStep,
+                 optimizer: Optimizer = SGD):
         self.reference, self.models, self.X, self.y = reference, models, X, y
         self.lr = float(np.float32(lr))  # the float32 learning rate every level steps with (contract.check_training)
-        self.float64_step = float64_step  # the network's: (params, x, y, lr) -> MlpStep or the like
-        self.records = {label: LockstepRecord(label, float64_step.names) for label in models}
+        self.float64_step = float64_step  # the network's: (params, x, y, lr, optimizer, state) -> MlpStep or the like
+        self.optimizer = optimizer
+        self.names = float64_step.names + tuple(f"{n}.{key}" for n in float64_step.names for key in optimizer.moments)
+        self.records = {label: LockstepRecord(label, self.names) for label in models}
         self.steps = 0
         self.reference_diverged: str | None = None
 
@@ -275,37 +536,58 @@ class Lockstep:
         self.steps += 1
         if self.reference_diverged:
             return
-        before = self.reference.state_dict()
-        exact = self.float64_step(before, X[batch], y[batch], lr)
+        params = self.reference.state_dict()
+        state = self.reference.optimizer_state() if self.optimizer.state else None  # Adam's, before the step
+        exact = self.float64_step(params, X[batch], y[batch], lr, self.optimizer, state)
         observed = exact.observe(self.reference)
         loss = float(self.reference.train_epoch(X, y, len(batch), lr, batch)[0])
-        after = self.reference.state_dict()
+        after, steps = self._checked(self.reference)
         if not (np.isfinite(loss) and all(np.isfinite(v).all() for v in after.values())):
             self.reference_diverged = f"level 1 itself diverged at lockstep step {k}"
             return
         expected = exact.take_reference(after, observed)  # where level 1 went the other way at a tie, so does it
-        names = exact.names
+        names, before = self.names, {**params, **self._moments(state or {}, params)}
         own = {n: _norm(after[n] - expected[n]) for n in names}  # level 1's own distance
         size = {n: _norm(after[n] - before[n]) for n in names}
         allowed = {n: YARDSTICK * own[n] + 2 * U * _norm(expected[n]) + FLOOR * U * size[n] for n in names}
-        step = Step(k, batch, before, after, loss, exact, expected, own, size, allowed)
+        step = Step(k, batch, names, before, after, loss, exact, expected, own, size, allowed)
         for label, model in self.models.items():
             record = self.records[label]
             if record.failure:
                 continue
-            model.load_state_dict(before)
+            model.load_state_dict(params)
+            if self.optimizer.state:
+                model.load_optimizer_state(state)
             observed = exact.observe(model)
             got_loss = float(model.train_epoch(X, y, len(batch), lr, batch)[0])
-            got = model.state_dict()
+            got, got_steps = self._checked(model)
             if not (np.isfinite(got_loss) and all(np.isfinite(v).all() for v in got.values())):
                 record.failure = f"step {k}: non-finite loss or parameters from level 1's finite ones: a bug, not the data"
                 continue
+            if got_steps != steps:  # an integer: exactly
+                record.failure = (f"step {k}: {self.optimizer.title}'s step counts are {got_steps}, level 1's {steps}: "
+                                  "the state loaded before the step was not the one it stepped from")
+                continue
             self._compare(record, step, got_loss, got, observed)
+
+    def _checked(self, model) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+        """What is checked of a model after a step: its parameters and its optimizer's moments by name ("fc1.weight",
+        "fc1.weight.exp_avg", ...), and its optimizer's step counts."""
+        params = model.state_dict()
+        if not self.optimizer.state:
+            return params, {}
+        state = model.optimizer_state()
+        return {**params, **self._moments(state, params)}, {name: s["step"] for name, s in state.items()}
+
+    def _moments(self, state: dict, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """An optimizer state's arrays by "name.key"; zeros where there is none yet (before the first step)."""
+        return {f"{n}.{key}": state[n][key] if state else np.zeros_like(params[n], dtype=np.float32)
+                for n in params for key in self.optimizer.moments}
 
     @staticmethod
     def _compare(record: LockstepRecord, step: Step, loss: float, got: dict[str, np.ndarray], observed) -> None:
         """Record the step's errors and ties for one level; set its failure if a rule is broken."""
-        names = step.exact.names
+        names = step.names
         expected, ties = step.exact.follow(got, observed, step.k, step.batch, step.allowed)
         record.ties += ties
         adjust = {n: expected[n] - step.expected[n] for n in names}  # what the level's own tie decisions changed
@@ -321,9 +603,15 @@ class Lockstep:
                               f"{abs(loss - step.loss):.2g} apart, more than {loss_allowed:.2g} allowed")
         elif max(shares) > 1:
             name = names[int(np.argmax(shares[1:]))]
-            record.failure = (f"step {step.k}: the {name} update is {distance[name]:.3g} from the float64 step, where "
+            record.failure = (f"step {step.k}: the {_what(name)} is {distance[name]:.3g} from the float64 step, where "
                               f"level 1's is {step.own[name]:.3g} ({step.allowed[name]:.3g} allowed)"
-                              + step.exact.unexplained(name))
+                              + step.exact.unexplained(name.split(".exp_avg")[0]))
+
+
+def _what(name: str) -> str:
+    """How a failure names what it checked: "fc1.weight update", or "exp_avg of fc1.weight (Adam's first moment m)"."""
+    tensor, _, key = name.rpartition(".")
+    return f"{key} of {tensor} (Adam's {MOMENTS[key]})" if key in MOMENTS else f"{name} update"
 
 
 @contextmanager
@@ -340,12 +628,14 @@ def torch_threads(n: int):
         torch.set_num_threads(before)
 
 
-def lockstep(models: dict, params, X, y, orders: list[np.ndarray], batch: int, lr: float,
-             quiet: bool = True, network: Network = THE_MLP) -> tuple[dict[str, LockstepRecord], str | None]:
+def lockstep(models: dict, params, X, y, orders: list[np.ndarray], batch: int, lr: float, quiet: bool = True,
+             network: Network = THE_MLP, optimizer: Optimizer = SGD) -> tuple[dict[str, LockstepRecord], str | None]:
     """Every step of the run (the batches of `orders`, epoch by epoch) in lockstep with level 1 on the CPU, for a
-    network of common/nets. Returns each model's record and, if level 1 itself diverged, why.
+    network of common/nets and an optimizer of its list (the models train with it). Returns each model's record and,
+    if level 1 itself diverged, why.
     """
-    run = Lockstep(level(1).load(network)(params, device="cpu"), models, X, y, lr, network.float64_step())
+    reference = level(1).load(network)(params, device="cpu", **optimizer.options)
+    run = Lockstep(reference, models, X, y, lr, network.float64_step(), optimizer)
     batches = [order[start : start + batch] for order in orders for start in range(0, len(order), batch)]
     with torch_threads(1):
         for b in tqdm(batches, desc="lockstep", disable=quiet, leave=False):

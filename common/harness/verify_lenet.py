@@ -12,7 +12,8 @@ is general and direct: before a level steps, its own layer outputs (layers()) sa
 candidate; the float64 step is recomputed taking those decisions, and the level must match that step by the usual
 rule. Each decision that differs from level 1's is reported as a tie, with its layer and position. Only candidates
 are taken: a decision the level takes anywhere else is not a tie, and the difference it makes fails. Level 1's own
-decisions are taken first, as for the MLP: the float64 step follows level 1.
+decisions are taken first, as for the MLP: the float64 step follows level 1. With Adam, the step is Adam's from level
+1's state, and its sign ties are common/harness/verify.py's (AdamRule), with LeNet-5's layers for the reach (REACH).
 """
 
 from __future__ import annotations
@@ -25,13 +26,18 @@ import torch
 import torch.nn.functional as F
 
 from common.harness import verify
-from common.harness.verify import gamma
+from common.harness.verify import AdamRule, gamma, gradient_reach
 from common.nets import lenet
+from common.nets.optimizers import SGD, Optimizer
 
 RELUS = {"relu1": ("conv1", 1 * 25 + 1), "relu2": ("conv2", 6 * 25 + 1), "relu3": ("fc1", 256 + 1),
          "relu4": ("fc2", 120 + 1)}  # each ReLU: the layer before it, and the terms of each of that layer's sums
 POOL_AFTER = {"relu1": "pool1", "relu2": "pool2"}
 POOL_INPUT = {pool: relu for relu, pool in POOL_AFTER.items()}
+# LeNet-5 as common/harness/verify.py's gradient_reach reads a network: its layers in the forward order, by kind
+REACH = (("conv1", "conv"), ("relu1", "relu"), ("pool1", "pool"), ("conv2", "conv"), ("relu2", "relu"),
+         ("pool2", "pool"), ("flatten", "flatten"), ("fc1", "fc"), ("relu3", "relu"), ("fc2", "fc"), ("relu4", "relu"),
+         ("fc3", "fc"))
 
 
 @dataclass
@@ -52,25 +58,43 @@ class LayerTie:
 
 
 class LeNetStep:
-    """One SGD step of LeNet-5 in float64, and the ties that explain a float32 level's result (see the module)."""
+    """One step of LeNet-5 in float64 (SGD's, or with an optimizer and level 1's state Adam's), and the ties that
+    explain a float32 level's result (see the module)."""
 
     names = lenet.PARAM_NAMES
 
-    def __init__(self, params: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray, lr: float):
+    def __init__(self, params: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray, lr: float,
+                 optimizer: Optimizer = SGD, state: dict | None = None):
         self.start = {k: np.asarray(v, dtype=np.float64) for k, v in params.items()}
         self.x32, self.y = np.asarray(x), np.asarray(y, dtype=np.int64)
         self.x, self.lr = self.x32.astype(np.float64), lr
-        self.params, self.loss, record = self._run({})
+        images = self.x.reshape(-1, 1, lenet.IMAGE, lenet.IMAGE)
+        self.adam = AdamRule(params, state, lr, optimizer, lambda: gradient_reach(REACH, params, images, self.y)) \
+            if optimizer.state else None
+        self.grads, self.loss, record = self._gradients({})  # self.grads: those of level 1's decisions, from now on
+        self.params = self._update(self.grads)
         self.candidates = candidates(self.start, self.x, record)
         self.reference: dict = {}  # level 1's decisions where they differ from exact arithmetic's (take_reference)
 
     def _run(self, override: dict) -> tuple[dict[str, np.ndarray], float, dict]:
-        """The step with these decisions: its parameters after the update, its loss, and the forward's record."""
+        """The step with these decisions: its parameters after the update (with Adam, also its moments, "name.exp_avg"
+        and "name.exp_avg_sq"), its loss, and the forward's record."""
+        grads, loss, record = self._gradients(override)
+        return self._update(grads), loss, record
+
+    def _gradients(self, override: dict) -> tuple[dict[str, np.ndarray], float, dict]:
+        """The gradients of the step with these decisions, its loss, and the forward's record."""
         p = {k: torch.tensor(v, requires_grad=True) for k, v in self.start.items()}
         logits, record = lenet.forward64(p, torch.tensor(self.x), override)
         loss = F.cross_entropy(logits, torch.tensor(self.y))
         loss.backward()
-        return {k: (t - self.lr * t.grad).detach().numpy() for k, t in p.items()}, loss.item(), record
+        return {k: t.grad.numpy() for k, t in p.items()}, loss.item(), record
+
+    def _update(self, grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The optimizer's update from these gradients: SGD's, or Adam's (AdamRule.step)."""
+        if self.adam:
+            return self.adam.step(grads)
+        return {k: self.start[k] - self.lr * g for k, g in grads.items()}
 
     def observe(self, model) -> dict:
         """An implementation's decisions at the candidates, where they differ from exact arithmetic's: {key: value}.
@@ -89,24 +113,32 @@ class LeNetStep:
 
     def take_reference(self, after: dict[str, np.ndarray], decisions: dict) -> dict[str, np.ndarray]:
         """Level 1's step ended at `after` taking `decisions` (observe): from now on they are the reference. Returns
-        the float64 step that takes them."""
+        the float64 step that takes them; with Adam, also level 1's own gradient where its sign may go either way."""
         if decisions:
-            self.params = self._run(decisions)[0]
+            self.grads = self._gradients(decisions)[0]
+            self.params = self._update(self.grads)
         self.reference = decisions
+        if self.adam:
+            self.params = self.adam.take_reference(self.grads, after)
         return dict(self.params)
 
     def follow(self, got: dict[str, np.ndarray], decisions: dict, k: int, batch: np.ndarray,
                allowed: dict[str, float]) -> tuple[dict[str, np.ndarray], list[LayerTie]]:
-        """(the float64 step taking a level's decisions, the ties: where they differ from level 1's). Its result
-        `got` and the allowance are not needed: the decisions say it all."""
+        """(the float64 step taking a level's decisions, the ties: where they differ from level 1's). The decisions
+        say it all: the allowance is not needed, and its result `got` only with Adam (AdamRule.follow)."""
         ties = [LayerTie(k, c.layer, c.position, int(batch[c.row]), c.margin, c.bound) for c in self.candidates
                 if decisions.get(c.key, c.exact) != self.reference.get(c.key, c.exact)]
+        if self.adam:
+            grads = self.grads if decisions == self.reference else self._gradients(decisions)[0]
+            params, signs = self.adam.follow(grads, got, k)
+            return params, ties + signs
         params = self.params if decisions == self.reference else self._run(decisions)[0]
         return dict(params), ties
 
-    @staticmethod
-    def unexplained(name: str) -> str:
-        return "; the ReLU and max-pool decisions the level took are in the float64 step: no tie explains it"
+    def unexplained(self, name: str) -> str:
+        took = "the ReLU and max-pool decisions the level took" + (" and its own gradient where Adam's sign may go "
+                                                                     "either way" if self.adam else "")
+        return f"; {took} are in the float64 step: no tie explains it"
 
 
 class Candidate(NamedTuple):

@@ -1,4 +1,5 @@
-"""The networks: each one's definition (mlp.py, lenet.py) and the one list of them, NETWORKS.
+"""The networks: each one's definition (mlp.py, lenet.py) and the one list of them, NETWORKS; the optimizers they
+train with are listed beside them (optimizers.py).
 
 The harness, the benchmark, the tests and the plots read the list, beside common/levels.py's list of levels. Each
 entry names the module that defines the network (its parameter names and shapes, initial weights and FLOP count),
@@ -56,7 +57,8 @@ class Network:
         return ({},)
 
     def float64_step(self):
-        """The class of its float64 step: (params, x, y, lr) -> the step, with the ties that explain a level's."""
+        """The class of its float64 step: (params, x, y, lr[, optimizer, level 1's state]) -> the step, with the ties
+        that explain a level's."""
         return _attribute(self.step)
 
     def per_layer_check(self):

@@ -8,8 +8,8 @@ from common.book.figures import BACKWARD, FORWARD, HIGHLIGHT, MEMORY, MUTED, THR
 
 
 def loop_order(batch: int = 8, hidden: int = 256, n_in: int = 784):
-    """linear_forward's two loop orders: which rows are in use together, and how many bytes of W1 cross from main
-    memory into the cache in one step (W1 is larger than the caches close to the core; x is small and stays)."""
+    """linear_forward's two loop orders: which rows are in use together, and how many bytes of W1 stream into the L1
+    cache in one step (W1 is larger than L1, the cache nearest the core; x is small and stays there)."""
     w1_kib = hidden * n_in * 4 / 1024
     fig, axes = plt.subplots(1, 2, figsize=(9.5, 3.9))
     for ax, w_outer in zip(axes, (True, False)):
@@ -33,7 +33,7 @@ def loop_order(batch: int = 8, hidden: int = 256, n_in: int = 784):
         passes = 1 if w_outer else batch
         for k in range(passes):  # one block per pass of W1 through the cache in one step
             ax.add_patch(plt.Rectangle((0.3 + k * 1.15, 0.55), 1.05, 0.7, color=BACKWARD if passes > 1 else THREAD))
-        ax.text(0.3, 1.55, f"W1 from main memory per step: {passes} x {w1_kib:.0f} KiB", fontsize=8.5)
+        ax.text(0.3, 1.55, f"W1 into the L1 cache per step: {passes} x {w1_kib:.0f} KiB", fontsize=8.5)
         ax.text(0.3, 2.3, ("one row of W1 (orange) serves every row of x (blue)" if w_outer else
                            "one row of x (orange) meets every row of W1 (blue)"), fontsize=8, color=MEMORY)
     fig.tight_layout()

@@ -46,22 +46,25 @@ def kernel_points(kernels: dict) -> list[tuple[str, int, float, float]]:
     return points
 
 
-def step_points(runs: list[dict]) -> list[tuple[str, int, float, float]]:
+def step_points(runs: list[dict], rows=None) -> list[tuple[str, int, float, float]]:
     """(row, run index, intensity, GFLOP/s) of each GPU level's step (not the peers) whose time was published: its
-    FLOPs over bytes_per_step, both from the run's sizes, and its measured rate."""
+    FLOPs over bytes_per_step, both from the run's sizes, and its measured rate. rows: the labels to keep (None: all)."""
     points = []
     for index, run in enumerate(runs):
         s = run["settings"]
         intensity = flops_per_step(s["batch"], s["hidden"]) / bytes_per_step(s["batch"], s["hidden"])
         points += [(row["level"], index, intensity, row["gflops"]) for row in run["table"]
-                   if row["device"] == "cuda" and row["level"].startswith("level") and row["gflops"]]
+                   if row["device"] == "cuda" and row["level"].startswith("level") and row["gflops"]
+                   and (rows is None or row["level"] in rows)]
     return points
 
 
-def roofline(ceilings: dict, runs: list[dict], kernels: dict | None = None):
+def roofline(ceilings: dict, runs: list[dict], kernels: dict | None = None, rows=None):
     """The roof of the measured ceilings (results/<gpu>/debugging/ceilings.json) and, under it, each GPU level's step
     (runs: make bench's results.json of the MLP, e.g. the chapter's and large-b256) and each matrix-product kernel over
-    a step's products (kernels: common/harness/matmul_kernels.py's JSON; None: not drawn)."""
+    a step's products (kernels: common/harness/matmul_kernels.py's JSON; None: not drawn). rows: the steps and kernels
+    to draw, by their rows' labels (a kernel by KERNEL_ROWS'; None: all), so that a chapter shows only the levels its
+    reader has met."""
     fig, ax = plt.subplots(figsize=(9, 5.6))
     intensity = np.logspace(-1, 3, 200)
     ax.plot(intensity, roof(intensity, ceilings), color=MEMORY, lw=2, zorder=1)
@@ -73,8 +76,9 @@ def roofline(ceilings: dict, runs: list[dict], kernels: dict | None = None):
     ax.text(ridge * 1.15, peak * 1e3 * 1.15, f"FP32 arithmetic: {peak:.1f} TFLOP/s", fontsize=8.5, color=MEMORY)
     ax.text(ridge * 1.05, 1.5, f"ridge: {ridge:.0f} FLOP/byte", fontsize=8, color=MEMORY)
 
-    steps = step_points(runs)
-    kernel_rows = kernel_points(kernels) if kernels else []
+    steps = step_points(runs, rows)
+    kernel_rows = [point for point in (kernel_points(kernels) if kernels else [])
+                   if rows is None or KERNEL_ROWS[point[0]] in rows]
     labels = list(dict.fromkeys([label for label, *_ in steps] + [KERNEL_ROWS[k] for k, *_ in kernel_rows]))
     palette = {label: row_colour(label) for label in labels}
     for label, index, x, y in steps:
@@ -95,10 +99,11 @@ def roofline(ceilings: dict, runs: list[dict], kernels: dict | None = None):
     ax.legend(fontsize=7.5, loc="upper left", ncol=2)
     measured = "each level's step (make bench)" + (" and of each kernel (matmul_kernels.py)" if kernels else
                                                     "; the kernels are not measured yet")
+    fused = any(label.startswith("level7") for label, *_ in steps)
     caption = (f"Measured: the roof (an FP32 matrix product and a device copy) and the speed of {measured}. Computed "
                "from the sizes, not measured: each point's intensity, taking every kernel to read its inputs and write "
-               "its outputs once. Level 7 keeps its weights on chip between steps: it moves fewer bytes, so its true "
-               "intensity is higher than its point shows.")
+               "its outputs once." + (" Level 7 keeps its weights on chip between steps: it moves fewer bytes, so its "
+                                      "true intensity is higher than its point shows." if fused else ""))
     fig.text(0.01, -0.01, textwrap.fill(caption, 135), fontsize=7.5, color=MEMORY, va="top")
     fig.tight_layout()
     return fig
