@@ -56,7 +56,7 @@ def test_each_step_is_verified_then_timed_on_the_cpu(mnist):
     steps = fc.measure_steps("cpu", small_data(mnist), steps=6, hidden=16, repeats=2, parts=2)
     rows = {r["label"]: r for r in steps["rows"]}
     assert list(rows) == ["level3[cpu]", "level1[cpu]", "level8[cpu]"]
-    assert rows["level8[cpu]"]["ran"] == {"device": "cpu", "optimizer": "sgd"}
+    assert rows["level8[cpu]"]["ran"] == {"device": "cpu"}  # SGD, the default, goes unnamed
     assert rows["level1[cpu]"]["lockstep_used"] is None  # the reference
     assert 0 <= rows["level3[cpu]"]["lockstep_used"] < 1 and 0 <= rows["level8[cpu]"]["lockstep_used"] < 1
 
@@ -120,5 +120,5 @@ def test_the_gpu_rows_are_verified_then_timed(mnist, request):
     steps = fc.measure_steps("cuda", small_data(mnist), steps=6, hidden=16, repeats=2, parts=2)
     rows = {r["label"]: r for r in steps["rows"]}
     assert list(rows) == ["level6[cuda]", "torch-eager[cuda]", "level8[cuda]"]
-    assert rows["level8[cuda]"]["ran"] == {"device": "cuda", "optimizer": "sgd"}
+    assert rows["level8[cuda]"]["ran"] == {"device": "cuda"}  # SGD, the default, goes unnamed
     assert all(0 <= r["lockstep_used"] < 1 for r in rows.values())
