@@ -103,7 +103,10 @@ def test_the_timeline_reads_the_kernels_of_a_capture():
     """The committed H100 capture's level 6 step: its kernels, copies and fills left out, from the first kernel."""
     from common.book.chapter import capture_part
 
-    text = capture_part((ROOT / "results/h100/debugging/timeline.txt").read_text(), "level6")
+    capture = ROOT / "results/h100/debugging/timeline.txt"
+    if not capture.exists():  # the student edition and tests/plant_bugs.py's scratch copy have no results/
+        pytest.skip(f"no {capture.relative_to(ROOT)} here")
+    text = capture_part(capture.read_text(), "level6")
     rows = [line for line in text.splitlines()[2:] if line.split()[0][0].isdigit()]
     kernels = figures.parse_timeline(text)
     assert len(kernels) == sum(not line.split(maxsplit=3)[3].startswith(("Memcpy", "Memset")) for line in rows)
