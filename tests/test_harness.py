@@ -292,32 +292,44 @@ def test_the_kernels_libraries_build_and_refuse_bad_sizes_before_touching_a_gpu(
 
 
 def test_the_roofline_puts_each_gpu_levels_step_under_the_measured_roof():
-    """common/book/figures/roofline.py from the committed H100 results: the roof bends at the measured ceilings' ridge,
-    each GPU level's step (not a peer, not a CPU row) is a point at its sizes' intensity, and the caption says what is
-    measured - the kernels' points only once their file exists."""
+    """common/book/figures/roofline.py under the committed H100 ceilings: the roof bends at their ridge, each GPU
+    level's step (not a peer, not a CPU row, not an unpublished one) is a point at its sizes' intensity, and the caption
+    says what is measured: the steps where runs are given, the kernels' points where their file is."""
     from common.book.figures import roofline
     from common.nets.mlp import bytes_per_step, flops_per_step
 
     ceilings = json.loads((ROOT / "results/h100/debugging/ceilings.json").read_text())
-    runs = [json.loads((ROOT / f"results/h100/{preset}/results.json").read_text()) for preset in ("chapter", "large-b256")]
     ridge = ceilings["fp32_matmul_tflops_measured"] / ceilings["copy_tb_per_s_measured"]
     assert roofline.roof(np.array([ridge / 2, ridge, 2 * ridge]), ceilings) == pytest.approx(
         ceilings["fp32_matmul_tflops_measured"] * 1e3 * np.array([0.5, 1, 1]))
+
+    def row(level: str, device: str, gflops: float | None) -> dict:
+        return {"level": level, "device": device, "gflops": gflops}
+
+    # Two runs of make bench's form with made-up rates, for the arithmetic only
+    runs = [{"settings": {"batch": batch, "hidden": hidden},
+             "table": [row("level1[cpu]", "cpu", 5.0), row("level5[cuda]", "cuda", 100.0), row("level6[cuda]", "cuda", None),
+                       row("level7[cuda]", "cuda", 900.0), row("torch-graph[cuda]", "cuda", 300.0)]}
+            for batch, hidden in ((8, 256), (256, 1024))]
     points = roofline.step_points(runs)
-    assert {label for label, *_ in points} >= {"level5[cuda]", "level6[cuda]", "level7[cuda]"}
-    assert not any(label.startswith(("torch", "jax")) or "cpu" in label for label, *_ in points)
+    assert {label for label, *_ in points} == {"level5[cuda]", "level7[cuda]"}  # level 6's time was not published
     for label, index, x, y in points:
         s = runs[index]["settings"]
         assert x == flops_per_step(s["batch"], s["hidden"]) / bytes_per_step(s["batch"], s["hidden"]) and y > 0
+
     def caption(figure) -> str:
         return " ".join(" ".join(text.get_text() for text in figure.texts).split())
 
-    assert "the kernels are not measured yet" in caption(roofline.roofline(ceilings, runs))
     product = {"m": 8, "n": 256, "k": 784}  # one product alone, made-up rates: for the arithmetic only
-    kernels = {"sizes": [{"products": [product], "step": {"cublas": {"gflops": 500.0}, "tiled": {"gflops": 90.0}}}]}
+    kernels = {"sizes": [{"batch": 8, "hidden": 256, "products": [product],
+                          "step": {"cublas": {"gflops": 500.0}, "tiled": {"gflops": 90.0}}}]}
     assert roofline.kernel_points(kernels) == [("cublas", 0, pytest.approx(2 * 8 * 256 * 784 / (4 * (8 * 784 + 784 * 256
                                                 + 8 * 256))), 500.0), ("tiled", 0, pytest.approx(3.84, rel=1e-2), 90.0)]
-    assert "and of each kernel (matmul_kernels.py)" in caption(roofline.roofline(ceilings, runs, kernels))
+    assert "the speed of each level's step (make bench). Computed" in caption(roofline.roofline(ceilings, runs))
+    assert "the speed of each level's step (make bench) and of each kernel (matmul_kernels.py)" in \
+        caption(roofline.roofline(ceilings, runs, kernels))
+    assert "device copy) and the speed of each kernel (matmul_kernels.py). Computed" in \
+        caption(roofline.roofline(ceilings, [], kernels))  # no runs committed: the kernels alone, and said
     # A chapter draws only the rows its reader has met; level 7's note on its bytes goes with level 7's point.
     assert {label for label, *_ in roofline.step_points(runs, {"level5[cuda]"})} == {"level5[cuda]"}
     assert "Level 7 keeps its weights on chip" in caption(roofline.roofline(ceilings, runs))
