@@ -88,11 +88,8 @@ def roofline(ceilings: dict, runs: list[dict], kernels: dict | None = None, rows
                    lw=0.6, zorder=3, hatch="////")
     for label in labels:  # the legend: one entry per implementation, in its colour
         ax.scatter([], [], marker="o", color=palette[label], edgecolor="black", lw=0.6, label=label)
-    # The sizes, in the order of the markers: the runs', or where no run is given the kernels' (the same two sizes)
-    shapes = [(r["settings"]["batch"], r["settings"]["hidden"]) for r in runs] or \
-        [(size["batch"], size["hidden"]) for size in (kernels["sizes"] if kernels else [])]
-    for index, (batch, hidden) in enumerate(shapes):
-        size = f"batch {batch}, hidden {hidden}"
+    sizes = [f"batch {r['settings']['batch']}, hidden {r['settings']['hidden']}" for r in runs]
+    for index, size in enumerate(sizes):
         ax.scatter([], [], marker=SIZE_MARKERS[index], color="white", edgecolor="black", label=size)
     if kernel_rows:
         ax.scatter([], [], marker="o", color="white", edgecolor="black", hatch="////",
@@ -100,11 +97,10 @@ def roofline(ceilings: dict, runs: list[dict], kernels: dict | None = None, rows
     ax.set(xscale="log", yscale="log", xlim=(0.1, 1000), ylim=(1, 2e5), xlabel="arithmetic intensity (FLOP per byte)",
            ylabel="GFLOP/s", title=f"The roofline of the {ceilings['gpu'].removeprefix('NVIDIA ')}, FP32")
     ax.legend(fontsize=7.5, loc="upper left", ncol=2)
-    speeds = [what for what, drawn in (("each level's step (make bench)", steps),
-                                       ("each kernel (matmul_kernels.py)", kernel_rows)) if drawn]
-    measured = " and the speed of " + " and of ".join(speeds) if speeds else ""
+    measured = "each level's step (make bench)" + (" and of each kernel (matmul_kernels.py)" if kernels else
+                                                    "; the kernels are not measured yet")
     fused = any(label.startswith("level7") for label, *_ in steps)
-    caption = (f"Measured: the roof (an FP32 matrix product and a device copy){measured}. Computed "
+    caption = (f"Measured: the roof (an FP32 matrix product and a device copy) and the speed of {measured}. Computed "
                "from the sizes, not measured: each point's intensity, taking every kernel to read its inputs and write "
                "its outputs once." + (" Level 7 keeps its weights on chip between steps: it moves fewer bytes, so its "
                                       "true intensity is higher than its point shows." if fused else ""))
