@@ -24,6 +24,17 @@ from common.classroom.grade import BUILDS
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# Adam's bugs, planted at level 3 and caught by the lockstep with Adam (as file, correct code, buggy code, what): in
+# adam_update, which level 8's Adam calls too, and in level 3's model, which carries the moments from step to step.
+ADAM_UPDATE_BUGS = [
+    ("level3_numpy/mlp.py", ("bias_correction1 = 1 - beta1**step", "bias_correction2_sqrt = (1 - beta2**step) ** 0.5"),
+     ("bias_correction1 = 1", "bias_correction2_sqrt = 1.0"), "Adam without bias correction"),
+    ("level3_numpy/mlp.py", "denom = np.sqrt(v) / np.float32(bias_correction2_sqrt) + np.float32(eps)",
+     "denom = np.sqrt(v + np.float32(eps)) / np.float32(bias_correction2_sqrt)", "Adam's eps inside the square root"),
+]
+ADAM_BUGS = [*ADAM_UPDATE_BUGS, ("level3_numpy/mlp.py", "if not self.steps:  # Adam's first step",
+                                 "if True:  # Adam's first step", "Adam's moments not carried over (zeros at every step)")]
+
 # (level, file, the correct code, the buggy code, what the bug is); a bug of several edits gives tuples.
 BUGS = [
     (1, "level1_pytorch/mlp.py", "            self.optimizer.zero_grad()\n", "", "gradients never zeroed between steps"),
@@ -54,12 +65,7 @@ BUGS = [
     (3, "level3_numpy/mlp.py", "params[name] -= lr * grad", "params[name] -= np.float32(lr * 1.002) * grad",
      "learning rate 0.2% too large"),
     # Adam (adam_update, and the model's moments), caught by the lockstep with Adam
-    (3, "level3_numpy/mlp.py", ("bias_correction1 = 1 - beta1**step", "bias_correction2_sqrt = (1 - beta2**step) ** 0.5"),
-     ("bias_correction1 = 1", "bias_correction2_sqrt = 1.0"), "Adam without bias correction"),
-    (3, "level3_numpy/mlp.py", "denom = np.sqrt(v) / np.float32(bias_correction2_sqrt) + np.float32(eps)",
-     "denom = np.sqrt(v + np.float32(eps)) / np.float32(bias_correction2_sqrt)", "Adam's eps inside the square root"),
-    (3, "level3_numpy/mlp.py", "if not self.steps:  # Adam's first step", "if True:  # Adam's first step",
-     "Adam's moments not carried over (zeros at every step)"),
+    *((3, *bug) for bug in ADAM_BUGS),
     # LeNet-5 (level3_numpy/lenet.py)
     (3, "level3_numpy/lenet.py", "im2col(x, k) @ w.reshape(f, -1).T + b", "im2col(x, k) @ w[:, :, ::-1, ::-1].reshape(f, -1).T + b",
      "LeNet: a convolution instead of a correlation (the kernel flipped)"),
@@ -184,10 +190,7 @@ BUGS = [
      "a gradient overwritten where a tensor is used twice"),
     (8, "level8_framework/tensor.py", "for t in reversed(order):", "for t in order:",
      "the topological order walked the wrong way (inputs before the tensors computed from them)"),
-    (8, "level3_numpy/mlp.py", ("bias_correction1 = 1 - beta1**step", "bias_correction2_sqrt = (1 - beta2**step) ** 0.5"),
-     ("bias_correction1 = 1", "bias_correction2_sqrt = 1.0"), "Adam without bias correction"),
-    (8, "level3_numpy/mlp.py", "denom = np.sqrt(v) / np.float32(bias_correction2_sqrt) + np.float32(eps)",
-     "denom = np.sqrt(v + np.float32(eps)) / np.float32(bias_correction2_sqrt)", "Adam's eps inside the square root"),
+    *((8, *bug) for bug in ADAM_UPDATE_BUGS),  # level 8's optim.Adam calls level 3's adam_update
     (8, "level8_framework/optim.py", 'buf = state.get("momentum_buffer")', "buf = None",
      "momentum buffer not carried over (every step a first step)"),
     (8, "level8_framework/cpu.py", "np.float32(2 / x.size)", "np.float32(2)", "MSE's gradient without its 1/N"),

@@ -26,7 +26,7 @@ import pytest
 
 from common.classroom import bwrap, lab
 from common.levels import ROOT, gpu_available
-from plant_bugs import BUGS, apply, scratch_copy
+from plant_bugs import ADAM_BUGS, BUGS, apply, scratch_copy
 
 pytestmark = pytest.mark.lab
 
@@ -178,25 +178,26 @@ def test_no_line_of_a_solution_is_in_the_edition(edition):
     assert not found, "\n".join(found[:20])
 
 
-def owner(level: int, file: str, good, what: str = "") -> str | None:
+def owner(level: int, file: str, good, by_row: bool = True) -> str | None:
     """The task whose regions hold a bug's correct code (of any level: level 8's Adam is level 3's adam_update), else
     the level's row when its tasks are in that file (the row runs the level's own tests), else None: no task grades
-    that code (LeNet's helpers outside its tasks, which tests/test_lenet.py checks; level 8's, which has no row; Adam's
-    outside adam_update, since a row's tests train with SGD: tests/test_optimizers.py catches those)."""
+    that code (LeNet's helpers outside its tasks, which tests/test_lenet.py checks; level 8's, which has no row; code
+    the row's tests do not run, by_row False: Adam's outside adam_update, since the rows train with SGD, which
+    tests/test_optimizers.py checks)."""
     for t in lab.TASKS:
         bodies = [r.body for r in lab.regions(t.path) if r.task == t.id] if t.path == file else []
         if bodies and all(any(old in body for body in bodies) for old in (good if isinstance(good, tuple) else [good])):
             return t.id
     row = lab.level_row(level)
-    trained_by_row = not what.startswith("Adam")
-    return row.id if row and trained_by_row and any(lab.task(n).path == file for n in row.needs) else None
+    return row.id if row and by_row and any(lab.task(n).path == file for n in row.needs) else None
 
 
 def bug_params() -> list:
     """pytest.param per classic bug of a level with tasks, with the task it must fail; marked gpu where it needs one."""
     params = []
     for number, file, good, bad, what in BUGS:
-        if any(t.level == number for t in lab.TASKS) and (graded_by := owner(number, file, good, what)):
+        by_row = (file, good, bad, what) not in ADAM_BUGS  # the rows' tests train with SGD
+        if any(t.level == number for t in lab.TASKS) and (graded_by := owner(number, file, good, by_row)):
             task = lab.task(graded_by)
             marks = [pytest.mark.gpu] if task.gpu else []
             params.append(pytest.param(number, file, good, bad, task, marks=marks, id=f"{number}-{what}"))
@@ -583,7 +584,7 @@ def gradebook(tmp_path_factory):
         make(subs / f"special{i}")
         kinds[f"special{i}"] = f"hostile: {kind}"
     for kind in ("autograd: correct", "autograd: bugs"):  # checks whose graphs the worker builds from numbers
-        for name, good, bad, _ in AUTOGRAD_BUGS:
+        for name, good, bad, _ in autograd_bugs():
             text = (ROOT / name).read_text()
             (subs / kind[10:] / name).parent.mkdir(parents=True, exist_ok=True)
             (subs / kind[10:] / name).write_text(text.replace(good, bad, 1) if kind.endswith("bugs") else text)
@@ -629,10 +630,14 @@ MLP3 = "level3_numpy/mlp.py"
 # The tasks whose checks build their graphs in the worker (common/classroom/lab_autograd.py), and Adam's; a classic bug
 # of tests/plant_bugs.py in each of their files: (file, correct code, buggy code, the task it fails).
 AUTOGRAD_TASKS = ("2.6", "2.7", "2.8", "3.14", "8.1", "8.2", "8.3")
-AUTOGRAD_BUGS = [next((file, good, bad, task) for number, file, good, bad, _ in BUGS if file == name
-                      and isinstance(good, str) and (task := owner(number, file, good)) in AUTOGRAD_TASKS)
-                 for name in ("level2_theory/autograd.py", "level8_framework/tensor.py", "level8_framework/cpu.py",
-                              MLP3)]
+
+
+def autograd_bugs() -> list[tuple]:
+    """(file, correct code, buggy code, task) of the first such bug in each file, read from this repository's code when
+    asked, not when the module is collected: tests/plant_bugs.py collects these tests from a copy with a bug in it."""
+    return [next((file, good, bad, task) for number, file, good, bad, _ in BUGS if file == name
+                 and isinstance(good, str) and (task := owner(number, file, good)) in AUTOGRAD_TASKS)
+            for name in ("level2_theory/autograd.py", "level8_framework/tensor.py", "level8_framework/cpu.py", MLP3)]
 
 
 def test_the_gradebook_grades_each_kind_of_submission(gradebook):
@@ -683,7 +688,7 @@ def test_the_gradebook_grades_the_autograd_tasks_from_the_submissions_code(grade
     rows = {kind: gradebook["rows"][student] for student, kind in gradebook["kinds"].items()}
     assert {task: rows["autograd: correct"][task]["status"] for task in AUTOGRAD_TASKS} == \
         {task: "pass" for task in AUTOGRAD_TASKS}
-    failing = {task for *_, task in AUTOGRAD_BUGS}
+    failing = {task for *_, task in autograd_bugs()}
     expected = {task: "FAIL" if task in failing else "blocked" if failing & set(lab.task(task).needs) else "pass"
                 for task in AUTOGRAD_TASKS}
     assert {task: rows["autograd: bugs"][task]["status"] for task in AUTOGRAD_TASKS} == expected

@@ -45,13 +45,9 @@ def stated_allowance(after, expected, before) -> dict[str, float]:
             for n in expected}
 
 
-class Nudged:
-    """Level 1 with its step's result moved: one tensor to `share` of the stated allowance from the float64 step (in a
-    seeded random direction), or the loss by `share` of its allowance."""
-
-    def __init__(self, network: str, params, tensor: str | None = None, share: float = 0.0, loss_share: float = 0.0):
-        self.network, self.tensor, self.share, self.loss_share = get(network), tensor, share, loss_share
-        self.inner = level(1).load(self.network)(params)
+class Wrapped:
+    """A level-1 model (self.inner) as the verifier sees it: every method of the contract passed through; a subclass
+    replaces the one it changes."""
 
     def layers(self, X, y):
         return self.inner.layers(X, y)
@@ -61,6 +57,21 @@ class Nudged:
 
     def load_state_dict(self, params):
         self.inner.load_state_dict(params)
+
+    def optimizer_state(self):
+        return self.inner.optimizer_state()
+
+    def load_optimizer_state(self, state):
+        self.inner.load_optimizer_state(state)
+
+
+class Nudged(Wrapped):
+    """Level 1 with its step's result moved: one tensor to `share` of the stated allowance from the float64 step (in a
+    seeded random direction), or the loss by `share` of its allowance."""
+
+    def __init__(self, network: str, params, tensor: str | None = None, share: float = 0.0, loss_share: float = 0.0):
+        self.network, self.tensor, self.share, self.loss_share = get(network), tensor, share, loss_share
+        self.inner = level(1).load(self.network)(params)
 
     def train_epoch(self, X, y, batch_size, lr, order=None):
         before = self.inner.state_dict()
@@ -147,19 +158,13 @@ def relu1_tie(params, x, y, at: float) -> tuple[dict, tuple[int, int, int]]:
     return {**params, "conv1.bias": np.concatenate([[np.float32(bias)], params["conv1.bias"][1:]])}, (0, int(r), int(c))
 
 
-class FlipsOneReLU:
+class FlipsOneReLU(Wrapped):
     """A level that decides the other way from exact arithmetic at one conv1 ReLU of image 0 and is exact elsewhere:
     its layers() shows that decision, its step is the float64 step taking it."""
 
     def __init__(self, params, where):
         self.inner, self.where = level(1).load(get("lenet"))(params), where
         self.flat = np.ravel_multi_index((0, *where), (16, 6, 24, 24))
-
-    def state_dict(self):
-        return self.inner.state_dict()
-
-    def load_state_dict(self, params):
-        self.inner.load_state_dict(params)
 
     def layers(self, X, y):
         outputs, grads = self.inner.layers(X, y)
@@ -376,26 +381,11 @@ def with_moments(params: dict, state: dict) -> dict:
     return {**params, **{f"{name}.{key}": state[name][key] for name in params for key in MOMENTS}}
 
 
-class AdamLevel1:
-    """Level 1 with Adam, every method of the contract passed through; a subclass changes its step."""
+class AdamLevel1(Wrapped):
+    """Level 1 with Adam; a subclass changes its step."""
 
     def __init__(self, network: str, params):
         self.inner = level(1).load(get(network))(params, optimizer="adam")
-
-    def layers(self, X, y):
-        return self.inner.layers(X, y)
-
-    def state_dict(self):
-        return self.inner.state_dict()
-
-    def load_state_dict(self, params):
-        self.inner.load_state_dict(params)
-
-    def optimizer_state(self):
-        return self.inner.optimizer_state()
-
-    def load_optimizer_state(self, state):
-        self.inner.load_optimizer_state(state)
 
 
 class NudgedAdam(AdamLevel1):
