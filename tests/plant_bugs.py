@@ -32,8 +32,11 @@ ADAM_UPDATE_BUGS = [
     ("level3_numpy/mlp.py", "denom = np.sqrt(v) / np.float32(bias_correction2_sqrt) + np.float32(eps)",
      "denom = np.sqrt(v + np.float32(eps)) / np.float32(bias_correction2_sqrt)", "Adam's eps inside the square root"),
 ]
-ADAM_BUGS = [*ADAM_UPDATE_BUGS, ("level3_numpy/mlp.py", "if not self.steps:  # Adam's first step",
-                                 "if True:  # Adam's first step", "Adam's moments not carried over (zeros at every step)")]
+ADAM_BUGS = [
+    *ADAM_UPDATE_BUGS,
+    ("level3_numpy/mlp.py", "if not self.steps:  # Adam's first step", "if True:  # Adam's first step",
+     "Adam's moments not carried over (zeros at every step)"),
+]
 
 # (level, file, the correct code, the buggy code, what the bug is); a bug of several edits gives tuples.
 BUGS = [
