@@ -286,6 +286,8 @@ def test_only_the_code_between_the_markers_is_taken():
     ('asm("syscall");', "uses asm"),
     ("__lsan_disable();", "reserved"),
     ("void (*p)(int) = _exit; p(0);", "through a pointer"),
+    ("void *p = (void *)system;", "names system"),
+    ("m->x = (float *)&atexit;", "names atexit"),
     ("((void (*)(void))0x401000)();", "through a pointer"),
     ("m->x(1);", "through a pointer"),
     ("table[0](1);", "through a pointer"),
@@ -293,7 +295,8 @@ def test_only_the_code_between_the_markers_is_taken():
 ])
 def test_a_c_tasks_code_stays_a_function_body(code, why):
     """Level 4's task code may call the level's own functions and C's memory and math functions only, and stays inside
-    its function: nothing runs at load or exit, nothing prints a verdict, nothing leaves the process."""
+    its function: nothing runs at load or exit, nothing prints a verdict, nothing leaves the process; a banned
+    function is refused where it is only named, its address taken."""
     problem = lab.c_problem(code, lab.given_calls("level4_c/mlp.c"))
     assert problem and why in problem, problem
     assert lab.c_problem("m->x = calloc((size_t)R * n, sizeof(float)); if (!m->x) return FAIL(MLP_ERR_ARG, \"x\");"
@@ -301,8 +304,10 @@ def test_a_c_tasks_code_stays_a_function_body(code, why):
 
 
 def test_cuda_task_code_may_not_end_signal_or_leave_its_process():
-    """CUDA's rules: the same body, `#pragma unroll` allowed, no function that ends, signals, starts or loads."""
-    for code in ('system ("x");', "exit(0);", "std::exit(0);", "::exit(0);", 'dlopen("libcublas.so", 2);'):
+    """CUDA's rules: the same body, `#pragma unroll` allowed, no function that ends, signals, starts or loads, not even
+    by its address (a host callback would call it)."""
+    for code in ('system ("x");', "exit(0);", "std::exit(0);", "::exit(0);", 'dlopen("libcublas.so", 2);',
+                 "cudaLaunchHostFunc(0, (cudaHostFn_t)system, 0);", "void *p = (void *)&abort;"):
         assert lab.c_problem(code, None), code
     assert lab.c_problem("#pragma unroll\n    for (int j = 0; j < 4; j++) sum += atomicAdd(p, 1);", None) is None
 
