@@ -210,20 +210,25 @@ def test_the_memory_checks_verdict_is_not_what_the_program_prints(tmp_path, monk
 
 
 def test_a_submissions_files_are_taken_without_following_anything(tmp_path):
-    """A plain file is taken; a link, a file in a linked folder, a hard link, a pipe (which would block a reader) and
-    a file past the size limit are not, each with the reason."""
+    """A plain file is taken, and so is one whose hard links are all in the folder; a link, a file in a linked
+    folder, a hard link to a file outside the folder, a pipe (which would block a reader) and a file past the size
+    limit are not, each with the reason."""
     student = tmp_path / "student"
     (student / "level3_numpy").mkdir(parents=True)
     (student / "level3_numpy" / "mlp.py").write_text("mine")
     (student / "level3_numpy" / "lenet.py").symlink_to(ROOT / "level3_numpy" / "lenet.py")
     (student / "level4_c").symlink_to(ROOT / "level4_c")
+    (student / "backup").mkdir()
+    os.link(student / "level3_numpy" / "mlp.py", student / "backup" / "mlp.py")
+    (student / "linked").symlink_to(tmp_path)  # a name found through it would be outside: it is not followed
     os.link(student / "level3_numpy" / "mlp.py", tmp_path / "elsewhere")
     (student / "level2_theory").mkdir()
     os.mkfifo(student / "level2_theory" / "backprop.py")
     (student / "common" / "native").mkdir(parents=True)
     (student / "common" / "native" / "cuda_mlp.cuh").write_bytes(b"x" * (gradebook.MAX_FILE_BYTES + 1))
-    assert "hard link" in gradebook.plain_file(student, "level3_numpy/mlp.py")
+    assert "hard link with a name outside its folder" in gradebook.plain_file(student, "level3_numpy/mlp.py")
     os.unlink(tmp_path / "elsewhere")
+    assert os.stat(student / "level3_numpy" / "mlp.py").st_nlink == 2
     assert gradebook.plain_file(student, "level3_numpy/mlp.py") == b"mine"
     assert "link" in gradebook.plain_file(student, "level3_numpy/lenet.py")
     assert "linked folder" in gradebook.plain_file(student, "level4_c/mlp.c")

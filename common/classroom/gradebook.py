@@ -22,6 +22,7 @@ student's grade as json/<student>.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import errno
 import io
@@ -35,6 +36,7 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -48,18 +50,22 @@ GIT_ENV = {"GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null", "GIT_NO
 GIT_OPTIONS = ["-c", "safe.directory=*", "-c", "core.fsmonitor=false", "-c", "core.hooksPath=/dev/null"]
 
 
+DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW  # a folder opened as itself, never through a link
+
+
 def plain_file(folder: Path, name: str) -> bytes | str | None:
     """The file `name` under folder, as bytes; None where there is none; why it is not taken where it is not a plain
-    file of its own (a link, in a linked folder, a hard link, a device, a pipe) or is too large. No link is followed:
-    every folder on the way and the file are opened with O_NOFOLLOW, and the file is what was looked at."""
+    file of the folder's own (a link, in a linked folder, a hard link to a file elsewhere, a device, a pipe) or is too
+    large. No link is followed: every folder on the way and the file are opened with O_NOFOLLOW, and the file is what
+    was looked at."""
     *folders, last = name.split("/")
     try:
-        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        fd = os.open(folder, DIRECTORY)
     except OSError as e:
         return f"its folder cannot be opened ({e.strerror})"
     try:
         for part in folders:
-            fd, parent = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd), fd
+            fd, parent = os.open(part, DIRECTORY, dir_fd=fd), fd
             os.close(parent)
         seen = os.stat(last, dir_fd=fd, follow_symlinks=False)
         if not stat.S_ISREG(seen.st_mode):
@@ -75,12 +81,64 @@ def plain_file(folder: Path, name: str) -> bytes | str | None:
         info = os.fstat(file)
         if (info.st_ino, info.st_dev) != (seen.st_ino, seen.st_dev) or not stat.S_ISREG(info.st_mode):
             return "changed while it was read: not taken"
-        if info.st_nlink > 1:
-            return "a hard link (the same file as another): not taken"
+        # A file of several names (hard links) is taken where all of them are in the folder: then it holds nothing
+        # that a copy there would not. A name elsewhere makes it another file too (another student's, the teacher's):
+        # linked in by whoever could write the class's folder, perhaps a file they could not read themselves (where
+        # fs.protected_hardlinks is off), and it may change through that name while the class is graded. st_nlink
+        # counts every name and a search of the folder finds those in it, so the count is exact; the search is made
+        # for such a file only.
+        if info.st_nlink > 1 and names_inside(folder, info) < info.st_nlink:
+            return "a hard link with a name outside its folder: not taken (copy a class with cp -a, not cp -al)"
         data = os.read(file, MAX_FILE_BYTES + 1)
+    except OSError as e:
+        return f"cannot be read ({e.strerror})"
     finally:
         os.close(file)
     return data if len(data) <= MAX_FILE_BYTES else f"larger than {MAX_FILE_BYTES >> 20} MiB: not taken"
+
+
+def names_inside(folder: Path, file: os.stat_result) -> int:
+    """How many of a file's names are under folder, counted until all are found."""
+    found = 0
+    with contextlib.closing(walk(folder)) as entries:
+        for _, info in entries:
+            found += (info.st_ino, info.st_dev) == (file.st_ino, file.st_dev)
+            if found == file.st_nlink:
+                break
+    return found
+
+
+def walk(folder: Path) -> Iterator[tuple[str, os.stat_result]]:
+    """Every entry under folder, depth first: its path in folder and what it is (lstat). No link is followed: each
+    folder is opened by its name in the one above it, with O_NOFOLLOW, and is kept open while it is read."""
+    stack = [("", *listing(str(folder), None))]
+    try:
+        while stack:
+            path, fd, entries = stack[-1]
+            entry = next(entries, None)
+            if entry is None:
+                stack.pop()
+                entries.close()
+                os.close(fd)
+                continue
+            info = entry.stat(follow_symlinks=False)
+            yield path + entry.name, info
+            if stat.S_ISDIR(info.st_mode):
+                stack.append((f"{path}{entry.name}/", *listing(entry.name, fd)))
+    finally:
+        for _, fd, entries in stack:
+            entries.close()
+            os.close(fd)
+
+
+def listing(name: str, parent: int | None) -> tuple[int, Iterator[os.DirEntry]]:
+    """A folder opened as itself (in parent, where given) and its entries."""
+    fd = os.open(name, DIRECTORY, dir_fd=parent)
+    try:
+        return fd, os.scandir(fd)
+    except OSError:
+        os.close(fd)
+        raise
 
 
 def committed_files(submission: Path) -> dict[str, bytes] | str:
