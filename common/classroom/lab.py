@@ -154,6 +154,11 @@ def task(task_id: str) -> Task:
     raise KeyError(f"no task {task_id}; tasks are {', '.join(t.id for t in TASKS)}")
 
 
+def select(level_number: int | None = None, task_id: str | None = None) -> list[Task]:
+    """The tasks of one level, or one task; every task where neither is given."""
+    return [t for t in TASKS if level_number in (None, t.level) and task_id in (None, t.id)]
+
+
 def level_row(number: int) -> Task | None:
     """The level's row: its main-suite tests, graded once all its tasks pass."""
     return next((t for t in _ROWS if t.level == number), None)
