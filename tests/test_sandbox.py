@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -262,6 +263,21 @@ def test_a_repositorys_last_commit_is_read_in_a_sandbox(tmp_path):
     (tmp_path / "redirect" / ".git").write_text(f"gitdir: {student / '.git'}\n")
     files, notes = gradebook.student_files(tmp_path / "redirect")
     assert not files and "a file or a link" in notes["level3_numpy/mlp.py"]
+
+
+def test_a_folders_name_is_data_never_a_path():
+    """A plain name names the student's files as it is; any other (255 bytes, not UTF-8, a formula, a line break) by a
+    short plain key that no plain name has, one per name. In grades.csv a name comes back exactly, escaped, and a
+    spreadsheet reads it as text."""
+    names = ["alice", "b" * 255, "b" * 254 + "c", os.fsdecode(b"caf\xe9"), "café", "caf\\xe9", "=1+2", "'=1+2",
+             "a\nb", "bob~0123456789ab"]
+    keys = [gradebook.key(name) for name in names]
+    assert keys[0] == "alice" and len(set(keys)) == len(names)
+    assert all(re.fullmatch(r"[A-Za-z0-9._~-]{1,64}", k) for k in keys), keys
+    assert all("~" in k for k in keys[1:])
+    escaped = [gradebook.cell(gradebook.escape(name)) for name in names]
+    assert escaped[3:] == ["caf\\xe9", "café", "caf\\\\xe9", "'=1+2", "''=1+2", "a\\u000ab", "bob~0123456789ab"]
+    assert gradebook.cell("-1 (a note)") == "'-1 (a note)" and gradebook.cell("@SUM(A1)") == "'@SUM(A1)"
 
 
 def test_only_the_code_between_the_markers_is_taken():

@@ -16,7 +16,7 @@ broke, and the gradebook goes on. Without bubblewrap it refuses to run, unless -
 
 Writes to --out, after every grade has ended: grades.csv (student, task, name, points, max_points, status, note),
 summary.md (the score distribution, each task's pass rate, and what protected the grades), summary.png, and each
-student's grade as json/<student>.json.
+student's grade as json/<key>.json: a folder's name is data, never a path (key(); grades.csv holds it escaped).
 """
 
 from __future__ import annotations
@@ -25,9 +25,11 @@ import argparse
 import contextlib
 import csv
 import errno
+import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import stat
@@ -184,7 +186,7 @@ def student_files(submission: Path) -> tuple[dict[str, bytes], dict[str, str]]:
 def sandbox_for(edition: Path, submission: Path, work: Path) -> tuple[Path, dict[str, str]]:
     """A fresh copy of the edition with the student's code in it (the code between the markers of each file: the rest
     is the edition's), and why any file was not taken. What the student's code runs in, and sees at /lab."""
-    folder = work / submission.name
+    folder = work / key(submission.name)
     shutil.copytree(edition, folder, symlinks=True)
     files, notes = student_files(submission)
     for name, data in files.items():
@@ -231,13 +233,46 @@ def failed(level: int | None, why: str) -> dict:
                        "note": why} for t in tasks]}
 
 
+# ---- a student's name: data, never a path ----
+
+PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # a folder's name that can name the gradebook's files
+
+
+def key(name: str) -> str:
+    """What names a student's files in the gradebook (json/, logs/, their copy): the folder's name where it is plain
+    and short, else a readable part of it and a hash of all of it, joined by "~", which no plain name holds."""
+    if PLAIN_NAME.fullmatch(name):
+        return name
+    raw = os.fsencode(name)
+    return re.sub(rb"[^A-Za-z0-9._-]", b"_", raw[:40]).decode() + "~" + hashlib.sha256(raw).hexdigest()[:12]
+
+
+def escape(name: str) -> str:
+    """A folder's name as text that gives it back exactly: a byte that is not UTF-8 as \\xNN, a control character
+    (a line break, a tab) as \\uNNNN, a backslash as two."""
+    text = os.fsencode(name).replace(b"\\", b"\\\\").decode(errors="backslashreplace")
+    return re.sub(r"[\x00-\x1f\x7f-\x9f]", lambda c: f"\\u{ord(c[0]):04x}", text)
+
+
+FORMULA = ("=", "+", "-", "@", "\t", "\r")  # what makes a spreadsheet read a cell as a formula (OWASP's list)
+
+
+def cell(text: str) -> str:
+    """A CSV cell that a spreadsheet shows as text: one that would start a formula starts with ' (OWASP's advice
+    against CSV injection), and so does one that starts with ', so that a reader can take it off again."""
+    return "'" + text if text.startswith((*FORMULA, "'")) else text
+
+
 def write_csv(grades: dict[str, dict], path: Path) -> None:
-    with path.open("w", newline="") as f:
+    """grades.csv: a row per student and task, the student's folder name escaped; every text a spreadsheet's text."""
+    # backslashreplace: a note may quote a path that is not UTF-8, and no note may stop the class's grades
+    with path.open("w", newline="", encoding="utf-8", errors="backslashreplace") as f:
         out = csv.writer(f)
         out.writerow(["student", "task", "name", "points", "max_points", "status", "note"])
         for student, grade in grades.items():
             for t in grade["tasks"]:
-                out.writerow([student, t["id"], t["name"], t["earned"], t["points"], t["status"], t["note"]])
+                out.writerow([cell(escape(student)), t["id"], cell(t["name"]), t["earned"], t["points"], t["status"],
+                              cell(t["note"])])
 
 
 def summary(grades: dict[str, dict]) -> str:
@@ -329,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         copies = [sandbox_for(edition, s, work) for s in submissions]
         start = time.perf_counter()
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-            grades = dict(zip((f.name for f, _ in copies), pool.map(
+            grades = dict(zip((s.name for s in submissions), pool.map(
                 lambda copy: grade_one(copy[0], out, args.level, args.timeout), copies)))
         seconds = time.perf_counter() - start
     for (folder, notes), grade in zip(copies, grades.values()):
