@@ -256,13 +256,28 @@ def test_a_repositorys_last_commit_is_read_in_a_sandbox(tmp_path):
     git(student, "commit", "-q", "-m", "mine")
     git(student, "config", "core.fsmonitor", f"touch {tmp_path / 'ran'}")
     shutil.rmtree(student / "level3_numpy")
-    files, notes = gradebook.student_files(student)
+    files, notes = gradebook.student_files(student, time.monotonic() + 120)
     assert files == {"level3_numpy/mlp.py": b"committed"} and not notes, (files, notes)
     assert not (tmp_path / "ran").exists()
     (tmp_path / "redirect").mkdir()
     (tmp_path / "redirect" / ".git").write_text(f"gitdir: {student / '.git'}\n")
-    files, notes = gradebook.student_files(tmp_path / "redirect")
+    files, notes = gradebook.student_files(tmp_path / "redirect", time.monotonic() + 120)
     assert not files and "a file or a link" in notes["level3_numpy/mlp.py"]
+
+
+def test_a_repository_that_would_make_git_wait_is_not_read(tmp_path, monkeypatch):
+    """A pipe where .git/HEAD should be, which git would wait on forever: it is refused before git runs; and where
+    nothing refused it, git's read stops at the submission's deadline."""
+    student = tmp_path / "student"
+    (student / ".git").mkdir(parents=True)
+    os.mkfifo(student / ".git" / "HEAD")
+    start = time.monotonic()
+    assert "holds HEAD, which is not a plain file" in gradebook.committed_files(student, start + 120)
+    assert time.monotonic() - start < 5
+    monkeypatch.setattr(gradebook, "special_file", lambda folder: None)
+    start = time.monotonic()
+    assert "did not read its last commit within 3 s" in gradebook.committed_files(student, start + 3)
+    assert time.monotonic() - start < 30  # the deadline, and the sandbox's start and end
 
 
 def test_a_folders_name_is_data_never_a_path():
@@ -278,6 +293,20 @@ def test_a_folders_name_is_data_never_a_path():
     escaped = [gradebook.cell(gradebook.escape(name)) for name in names]
     assert escaped[3:] == ["caf\\xe9", "café", "caf\\\\xe9", "'=1+2", "''=1+2", "a\\u000ab", "bob~0123456789ab"]
     assert gradebook.cell("-1 (a note)") == "'-1 (a note)" and gradebook.cell("@SUM(A1)") == "'@SUM(A1)"
+
+
+def test_whatever_goes_wrong_with_a_folder_is_its_own_row(tmp_path):
+    """An error of the gradebook's own while it grades one folder is that student's grade of zero, which says what
+    happened; an entry that is not a folder gets one too, and is not followed."""
+    tasks = tuple(lab.select(task_id="3.1"))
+    grading = gradebook.Grading(tmp_path / "no edition", tmp_path / "work", tmp_path / "book", ("--task", "3.1"),
+                                tasks, 60)
+    (tmp_path / "class" / "alice").mkdir(parents=True)
+    (tmp_path / "class" / "bob").symlink_to(tmp_path / "class" / "alice")
+    grade = gradebook.grade_student(tmp_path / "class" / "alice", grading)
+    assert grade["score"] == 0 and "could not grade this folder (FileNotFoundError" in grade["tasks"][0]["note"]
+    grade = gradebook.grade_student(tmp_path / "class" / "bob", grading)
+    assert [t["id"] for t in grade["tasks"]] == ["3.1"] and "a link, not a folder" in grade["tasks"][0]["note"]
 
 
 def test_only_the_code_between_the_markers_is_taken():
