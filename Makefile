@@ -232,10 +232,11 @@ chapters: $(ENV) levels
 # A class's grades (LABS.md): every submission in SUBMISSIONS (one folder per student) graded in parallel, each in
 # bubblewrap sandboxes (it refuses to run without bwrap; ARGS=--trust-submissions for your own code), with the
 # held-out checks; one CSV, a summary and a plot in gradebook/. JOBS=n at once, LEVEL=n one level (and only what it
-# needs: each submission is built in its own sandbox, none of this repository's levels).
+# needs: each submission is built in its own sandbox, none of this repository's levels), TASK=n.m one task.
 gradebook: $(GRADE_ENV)
 	@[ -n "$(SUBMISSIONS)" ] || { echo "usage: make gradebook SUBMISSIONS=folder (one folder per student)"; exit 1; }
-	$(PYTHON) -m common.classroom.gradebook $(SUBMISSIONS) $(if $(JOBS),--jobs $(JOBS)) $(if $(LEVEL),--level $(LEVEL)) $(ARGS)
+	$(PYTHON) -m common.classroom.gradebook $(SUBMISSIONS) $(if $(JOBS),--jobs $(JOBS)) $(if $(LEVEL),--level $(LEVEL)) \
+		$(if $(TASK),--task $(TASK)) $(ARGS)
 
 notebooks: $(ENV) levels
 	$(VENV)/bin/jupyter lab

@@ -1,6 +1,6 @@
 """A class of generated submissions, for trying the gradebook (LABS.md) and for its tests.
 
-    python tests/lab_submissions.py OUT [--count 100] [--levels 2,3,4]
+    python tests/lab_submissions.py OUT [--count 100] [--levels 2,3,4] [--attacks | --odd]
     make gradebook SUBMISSIONS=OUT
 
 Each submission is a folder with the files a student writes in (python -m common.classroom.lab --files): this repository's
@@ -9,13 +9,15 @@ ones below, each a class of attack: reading what it must not (the held-out check
 a git redirection, a link or an unmount), writing where it must not (the teacher's files, another student's copy,
 a flood of /tmp), persisting (a daemon), forging (a score file, a fake sanitizer report, code run at load or exit),
 stalling or exhausting the grader (a hang, a stalled or oversized answer), and escaping the bans (PyTorch through
-builtins). Each is honest code plus its attack: where the attack fails, it earns what its honest code earns. The
-teacher's only: `make lab` leaves it out of the student edition.
+builtins). Each is honest code plus its attack: where the attack fails, it earns what its honest code earns. With
+--odd, a class of folders that are odd by accident instead (names, links, a pipe, a file), each of which gets its row.
+The teacher's only: `make lab` leaves it out of the student edition.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import shutil
 import subprocess
@@ -206,6 +208,32 @@ ATTACKS = ("git file", "unmounts", "log link", "daemon", "stalls an answer", "ov
            "torch through builtins", "sabotages the others", "floods /tmp")
 
 
+def odd(out: Path) -> dict[str, str]:
+    """A class in out whose folders are odd by accident, not by attack (names, links, a pipe, a file); returns each
+    entry's name and kind. Level 3's file, wherever there is one, is correct code (in the hard link and the linked
+    folder too, which the gradebook does not take). The victim's folder comes last, after every odd one; the file that
+    one folder hard-links, and the folder that another links to, are beside out."""
+    elsewhere = out.parent / f".{out.name}-elsewhere"
+    (elsewhere / "level3_numpy").mkdir(parents=True)
+    (elsewhere / LEVEL3).write_text((ROOT / LEVEL3).read_text())
+    kinds = {"control": "control", "b" * 251: "a name of 251 bytes", "l" * 252: "a name of 252 bytes",
+             os.fsdecode(b"caf\xe9"): "not UTF-8", '=HYPERLINK("evil.example","0")': "a formula",
+             "linked-inside": "hard links inside", "zoe": "victim"}
+    for name in kinds:
+        (out / name / "level3_numpy").mkdir(parents=True)
+        (out / name / LEVEL3).write_text((ROOT / LEVEL3).read_text())
+    os.link(out / "linked-inside" / LEVEL3, out / "linked-inside" / "level3_numpy" / "mlp-backup.py")
+    (out / "linked-outside" / "level3_numpy").mkdir(parents=True)
+    os.link(elsewhere / LEVEL3, out / "linked-outside" / LEVEL3)  # as `cp -al` makes a copy
+    (out / "linked-folder").symlink_to(elsewhere)
+    (out / "pipe-head" / ".git").mkdir(parents=True)
+    os.mkfifo(out / "pipe-head" / ".git" / "HEAD")
+    (out / "handed-in.zip").write_bytes(b"PK\x05\x06" + bytes(18))  # an empty zip archive, not unpacked
+    (out / ".DS_Store").write_bytes(b"")  # a file manager's, no student's
+    return {**kinds, "linked-outside": "a hard link outside", "linked-folder": "a linked folder",
+            "pipe-head": "a pipe for .git/HEAD", "handed-in.zip": "a file"}
+
+
 def in_a_task(file: str, good) -> bool:
     """Whether a bug's correct code lies in a task's code (what a submission's file contributes: the rest of the file
     is the edition's)."""
@@ -259,7 +287,13 @@ def main() -> None:
     p.add_argument("--levels", default="2,3,4", help="the levels whose files the submissions hold")
     p.add_argument("--attacks", action="store_true",
                    help="instead, one hostile submission per class of attack (ten; levels 3 and 4)")
+    p.add_argument("--odd", action="store_true",
+                   help="instead, a class of folders odd by accident: names, links, a pipe, a file (level 3)")
     args = p.parse_args()
+    if args.odd:
+        for student, kind in odd(args.out).items():
+            print(f"{student!a:.60}  {kind}")
+        return
     levels = (3, 4) if args.attacks else tuple(int(n) for n in args.levels.split(","))
     students = write(args.out, args.count, levels, only=ATTACKS if args.attacks else None)
     for student, kind in students.items():

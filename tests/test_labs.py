@@ -727,3 +727,53 @@ def test_a_fitted_solution_passes_the_visible_checks_only(edition, tmp_path):
     (copy / "level3_numpy" / "mlp.py").write_text(lab_submissions.hostile("fits the visible checks"))
     _, tasks = grade(copy, tmp_path / "grade.json", "--task", "3.1")
     assert tasks["3.1"]["status"] == "pass"  # the student's own grade: the edition has no held-out checks
+
+
+@pytest.fixture(scope="module")
+def odd_class(tmp_path_factory):
+    """The gradebook of a class of folders odd by accident (tests/lab_submissions.py's odd()), task 3.1 alone: its
+    run, its CSV rows by student, each entry's kind, its output folder."""
+    shipped()
+    if why := bwrap.problem():
+        pytest.skip(why)
+    import lab_submissions
+
+    folder = tmp_path_factory.mktemp("odd")
+    kinds = lab_submissions.odd(folder / "subs")
+    env = {**os.environ, "LAB_CALL_TIMEOUT_S": "20", "PYTHONDONTWRITEBYTECODE": "1"}
+    run = subprocess.run([sys.executable, "-m", "common.classroom.gradebook", str(folder / "subs"), "--out",
+                          str(folder / "book"), "--task", "3.1", "--jobs", "2", "--timeout", "600"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=900, env=env)
+    rows = {}
+    if (folder / "book" / "grades.csv").exists():
+        with (folder / "book" / "grades.csv").open(encoding="utf-8") as f:
+            rows = {row["student"]: row for row in csv.DictReader(f)}
+    return {"run": run, "rows": rows, "kinds": kinds, "book": folder / "book"}
+
+
+def test_the_gradebook_grades_any_folder_a_class_hands_in(odd_class):
+    """Every entry of the class is its student's row (a hidden file aside): honest code earns its points whatever its
+    folder's name, an odd folder scores what was taken from it with a note that says what happened, and the control
+    and the victim graded after every odd folder keep their scores. Names are in grades.csv as they are, escaped
+    where they are not UTF-8 text and neutralised where a spreadsheet would read a formula."""
+    run, rows, kinds = odd_class["run"], odd_class["rows"], odd_class["kinds"]
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    in_csv = {"not UTF-8": "caf\\xe9", "a formula": "'" + '=HYPERLINK("evil.example","0")'}
+    by_kind = {kind: rows.get(in_csv.get(kind, student)) for student, kind in kinds.items()}
+    assert len(rows) == len(kinds) and all(by_kind.values()), sorted(rows)
+    honest = ("control", "victim", "a name of 251 bytes", "a name of 252 bytes", "not UTF-8", "a formula",
+              "hard links inside")
+    for kind in honest:
+        assert (by_kind[kind]["status"], by_kind[kind]["points"]) == ("pass", "2"), (kind, by_kind[kind])
+    notes = {  # the others: (status, what the note says)
+        "a hard link outside": ("not attempted", "a hard link with a name outside its folder"),
+        "a linked folder": ("FAIL", "a link, not a folder"),
+        "a pipe for .git/HEAD": ("not attempted", "its .git holds HEAD, which is not a plain file"),
+        "a file": ("FAIL", "not a folder"),
+    }
+    for kind, (status, note) in notes.items():
+        assert by_kind[kind]["status"] == status and note in by_kind[kind]["note"], (kind, by_kind[kind])
+        assert by_kind[kind]["points"] == "0"
+    graded = [student for student, kind in kinds.items() if kind not in ("a linked folder", "a file")]
+    assert len(list((odd_class["book"] / "json").glob("*.json"))) == len(graded)
+    assert (odd_class["book"] / "summary.md").read_text().startswith(f"# Gradebook: {len(kinds)} submissions")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -210,20 +211,25 @@ def test_the_memory_checks_verdict_is_not_what_the_program_prints(tmp_path, monk
 
 
 def test_a_submissions_files_are_taken_without_following_anything(tmp_path):
-    """A plain file is taken; a link, a file in a linked folder, a hard link, a pipe (which would block a reader) and
-    a file past the size limit are not, each with the reason."""
+    """A plain file is taken, and so is one whose hard links are all in the folder; a link, a file in a linked
+    folder, a hard link to a file outside the folder, a pipe (which would block a reader) and a file past the size
+    limit are not, each with the reason."""
     student = tmp_path / "student"
     (student / "level3_numpy").mkdir(parents=True)
     (student / "level3_numpy" / "mlp.py").write_text("mine")
     (student / "level3_numpy" / "lenet.py").symlink_to(ROOT / "level3_numpy" / "lenet.py")
     (student / "level4_c").symlink_to(ROOT / "level4_c")
+    (student / "backup").mkdir()
+    os.link(student / "level3_numpy" / "mlp.py", student / "backup" / "mlp.py")
+    (student / "linked").symlink_to(tmp_path)  # a name found through it would be outside: it is not followed
     os.link(student / "level3_numpy" / "mlp.py", tmp_path / "elsewhere")
     (student / "level2_theory").mkdir()
     os.mkfifo(student / "level2_theory" / "backprop.py")
     (student / "common" / "native").mkdir(parents=True)
     (student / "common" / "native" / "cuda_mlp.cuh").write_bytes(b"x" * (gradebook.MAX_FILE_BYTES + 1))
-    assert "hard link" in gradebook.plain_file(student, "level3_numpy/mlp.py")
+    assert "hard link with a name outside its folder" in gradebook.plain_file(student, "level3_numpy/mlp.py")
     os.unlink(tmp_path / "elsewhere")
+    assert os.stat(student / "level3_numpy" / "mlp.py").st_nlink == 2
     assert gradebook.plain_file(student, "level3_numpy/mlp.py") == b"mine"
     assert "link" in gradebook.plain_file(student, "level3_numpy/lenet.py")
     assert "linked folder" in gradebook.plain_file(student, "level4_c/mlp.c")
@@ -250,13 +256,57 @@ def test_a_repositorys_last_commit_is_read_in_a_sandbox(tmp_path):
     git(student, "commit", "-q", "-m", "mine")
     git(student, "config", "core.fsmonitor", f"touch {tmp_path / 'ran'}")
     shutil.rmtree(student / "level3_numpy")
-    files, notes = gradebook.student_files(student)
+    files, notes = gradebook.student_files(student, time.monotonic() + 120)
     assert files == {"level3_numpy/mlp.py": b"committed"} and not notes, (files, notes)
     assert not (tmp_path / "ran").exists()
     (tmp_path / "redirect").mkdir()
     (tmp_path / "redirect" / ".git").write_text(f"gitdir: {student / '.git'}\n")
-    files, notes = gradebook.student_files(tmp_path / "redirect")
+    files, notes = gradebook.student_files(tmp_path / "redirect", time.monotonic() + 120)
     assert not files and "a file or a link" in notes["level3_numpy/mlp.py"]
+
+
+def test_a_repository_that_would_make_git_wait_is_not_read(tmp_path, monkeypatch):
+    """A pipe where .git/HEAD should be, which git would wait on forever: it is refused before git runs; and where
+    nothing refused it, git's read stops at the submission's deadline."""
+    student = tmp_path / "student"
+    (student / ".git").mkdir(parents=True)
+    os.mkfifo(student / ".git" / "HEAD")
+    start = time.monotonic()
+    assert "holds HEAD, which is not a plain file" in gradebook.committed_files(student, start + 120)
+    assert time.monotonic() - start < 5
+    monkeypatch.setattr(gradebook, "special_file", lambda folder: None)
+    start = time.monotonic()
+    assert "did not read its last commit within 3 s" in gradebook.committed_files(student, start + 3)
+    assert time.monotonic() - start < 30  # the deadline, and the sandbox's start and end
+
+
+def test_a_folders_name_is_data_never_a_path():
+    """A plain name names the student's files as it is; any other (255 bytes, not UTF-8, a formula, a line break) by a
+    short plain key that no plain name has, one per name. In grades.csv a name comes back exactly, escaped, and a
+    spreadsheet reads it as text."""
+    names = ["alice", "b" * 255, "b" * 254 + "c", os.fsdecode(b"caf\xe9"), "café", "caf\\xe9", "=1+2", "'=1+2",
+             "a\nb", "bob~0123456789ab"]
+    keys = [gradebook.key(name) for name in names]
+    assert keys[0] == "alice" and len(set(keys)) == len(names)
+    assert all(re.fullmatch(r"[A-Za-z0-9._~-]{1,64}", k) for k in keys), keys
+    assert all("~" in k for k in keys[1:])
+    escaped = [gradebook.cell(gradebook.escape(name)) for name in names]
+    assert escaped[3:] == ["caf\\xe9", "café", "caf\\\\xe9", "'=1+2", "''=1+2", "a\\u000ab", "bob~0123456789ab"]
+    assert gradebook.cell("-1 (a note)") == "'-1 (a note)" and gradebook.cell("@SUM(A1)") == "'@SUM(A1)"
+
+
+def test_whatever_goes_wrong_with_a_folder_is_its_own_row(tmp_path):
+    """An error of the gradebook's own while it grades one folder is that student's grade of zero, which says what
+    happened; an entry that is not a folder gets one too, and is not followed."""
+    tasks = tuple(lab.select(task_id="3.1"))
+    grading = gradebook.Grading(tmp_path / "no edition", tmp_path / "work", tmp_path / "book", ("--task", "3.1"),
+                                tasks, 60)
+    (tmp_path / "class" / "alice").mkdir(parents=True)
+    (tmp_path / "class" / "bob").symlink_to(tmp_path / "class" / "alice")
+    grade = gradebook.grade_student(tmp_path / "class" / "alice", grading)
+    assert grade["score"] == 0 and "could not grade this folder (FileNotFoundError" in grade["tasks"][0]["note"]
+    grade = gradebook.grade_student(tmp_path / "class" / "bob", grading)
+    assert [t["id"] for t in grade["tasks"]] == ["3.1"] and "a link, not a folder" in grade["tasks"][0]["note"]
 
 
 def test_only_the_code_between_the_markers_is_taken():
@@ -286,6 +336,8 @@ def test_only_the_code_between_the_markers_is_taken():
     ('asm("syscall");', "uses asm"),
     ("__lsan_disable();", "reserved"),
     ("void (*p)(int) = _exit; p(0);", "through a pointer"),
+    ("void *p = (void *)system;", "names system"),
+    ("m->x = (float *)&atexit;", "names atexit"),
     ("((void (*)(void))0x401000)();", "through a pointer"),
     ("m->x(1);", "through a pointer"),
     ("table[0](1);", "through a pointer"),
@@ -293,7 +345,8 @@ def test_only_the_code_between_the_markers_is_taken():
 ])
 def test_a_c_tasks_code_stays_a_function_body(code, why):
     """Level 4's task code may call the level's own functions and C's memory and math functions only, and stays inside
-    its function: nothing runs at load or exit, nothing prints a verdict, nothing leaves the process."""
+    its function: nothing runs at load or exit, nothing prints a verdict, nothing leaves the process; a banned
+    function is refused where it is only named, its address taken."""
     problem = lab.c_problem(code, lab.given_calls("level4_c/mlp.c"))
     assert problem and why in problem, problem
     assert lab.c_problem("m->x = calloc((size_t)R * n, sizeof(float)); if (!m->x) return FAIL(MLP_ERR_ARG, \"x\");"
@@ -301,8 +354,10 @@ def test_a_c_tasks_code_stays_a_function_body(code, why):
 
 
 def test_cuda_task_code_may_not_end_signal_or_leave_its_process():
-    """CUDA's rules: the same body, `#pragma unroll` allowed, no function that ends, signals, starts or loads."""
-    for code in ('system ("x");', "exit(0);", "std::exit(0);", "::exit(0);", 'dlopen("libcublas.so", 2);'):
+    """CUDA's rules: the same body, `#pragma unroll` allowed, no function that ends, signals, starts or loads, not even
+    by its address (a host callback would call it)."""
+    for code in ('system ("x");', "exit(0);", "std::exit(0);", "::exit(0);", 'dlopen("libcublas.so", 2);',
+                 "cudaLaunchHostFunc(0, (cudaHostFn_t)system, 0);", "void *p = (void *)&abort;"):
         assert lab.c_problem(code, None), code
     assert lab.c_problem("#pragma unroll\n    for (int j = 0; j < 4; j++) sum += atomicAdd(p, 1);", None) is None
 

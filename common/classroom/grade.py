@@ -238,8 +238,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="exit 0 only when every selected task passes, not attempted ones too (for autograders that "
                         "award a test's points on exit status 0)")
     args = p.parse_args(argv)
-    selected = [t for t in lab.TASKS if (args.level is None or t.level == args.level)
-                and (args.task is None or t.id == args.task)]
+    selected = lab.select(args.level, args.task)
     if not selected:
         raise SystemExit(f"no task matches; tasks are {', '.join(t.id for t in lab.TASKS)}")
     root = ROOT

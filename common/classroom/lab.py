@@ -154,6 +154,11 @@ def task(task_id: str) -> Task:
     raise KeyError(f"no task {task_id}; tasks are {', '.join(t.id for t in TASKS)}")
 
 
+def select(level_number: int | None = None, task_id: str | None = None) -> list[Task]:
+    """The tasks of one level, or one task; every task where neither is given."""
+    return [t for t in TASKS if level_number in (None, t.level) and task_id in (None, t.id)]
+
+
 def level_row(number: int) -> Task | None:
     """The level's row: its main-suite tests, graded once all its tasks pass."""
     return next((t for t in _ROWS if t.level == number), None)
@@ -455,7 +460,8 @@ def forbidden_use(t: Task, root: Path = ROOT) -> str | None:
 # A task's code is the body of a function, and must stay one: no preprocessor, no way out of its braces, no code
 # that runs at load or exit, no call through a pointer. In C (level 4, whose memory check is judged in the same
 # process as the code it checks) it may call only the level's own functions and these of C's library; in CUDA, any
-# function but those that end, signal, start, load or reach outside the process.
+# function but those that end, signal, start, load or reach outside the process (DENIED), which neither level's code
+# may even name: an address taken is a call waiting for a callback.
 C_LIBRARY = ("malloc", "calloc", "realloc", "free", "memset", "memcpy", "memmove", "memcmp", "expf", "exp", "logf",
              "log", "log1pf", "expm1f", "sqrtf", "sqrt", "fabsf", "fabs", "fmaxf", "fmax", "fminf", "fmin", "tanhf",
              "tanh", "powf", "pow", "floorf", "floor", "ceilf", "ceil", "isnan", "isinf", "isfinite")
@@ -542,12 +548,12 @@ def c_problem(body: str, calls: set[str] | None, blas: bool = False) -> str | No
             return f"uses {token}, a name reserved to the compiler and its libraries"
         if token.lower().startswith(("cblas", "cublas")) and not blas:
             return f"calls {token}: a lab task computes with its own loops and kernels"
-        if after not in ("(", "<<<") or token in KEYWORDS or token in CAST_WORDS:
+        if token in DENIED:  # its address is as good as a call: a function that takes a callback would make it one
+            verb = "calls" if after in ("(", "<<<") else "names"
+            return f"{verb} {token}, which a lab task has no use for (it may not end, signal or leave its process)"
+        if after not in ("(", "<<<") or token in KEYWORDS or token in CAST_WORDS or calls is None:
             continue
-        if calls is None:
-            if token in DENIED:
-                return f"calls {token}, which a lab task has no use for (it may not end, signal or leave its process)"
-        elif before in (".", "->"):
+        if before in (".", "->"):
             return f"calls {token} through a pointer: a task calls functions by name"
         elif token not in calls and token not in C_LIBRARY:
             return (f"calls {token}: a task's code calls the level's own functions and, of C's library, "
