@@ -126,3 +126,22 @@ def train(model, X, y, epochs: int, batch: int, lr: float, shuffle: bool = False
     return np.concatenate(
         [model.train_epoch(X, y, batch, lr, epoch_order(len(X), e, seed, shuffle)) for e in range(epochs)]
     )
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """Where the suite's time went, by test (all its parameters together) and fixture setup: the suite's phases, the
+    longest first (each test's own durations: --durations=N)."""
+    seconds, counts = {}, {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if getattr(report, "when", None) not in ("setup", "call") or not hasattr(report, "duration"):
+                continue
+            name = report.nodeid.split("[")[0].removeprefix("tests/") + (" (setup)" if report.when == "setup" else "")
+            seconds[name] = seconds.get(name, 0.0) + report.duration
+            counts[name] = counts.get(name, 0) + (report.when == "call")
+    total = sum(seconds.values())
+    if total < 1:
+        return
+    terminalreporter.write_sep("=", f"where the tests' {total:.0f} s went (summed over workers), longest first")
+    for name, s in [item for item in sorted(seconds.items(), key=lambda item: -item[1]) if item[1] >= 1][:25]:
+        terminalreporter.write_line(f"{s:8.1f} s {s / total:6.1%}  {counts[name]:4d} x {name}")

@@ -301,18 +301,20 @@ def test_level7_exchange_holds_when_blocks_run_apart(factory, mnist, monkeypatch
     in_lockstep(stressed, params, X[:400], y[:400], 1, batch, lr=0.05)
 
 
-# What the memcheck run below drives: partial batches (200 = 15 x 13 + 5, and batch 1), a forward pass
-# across FORWARD_CHUNK (1,030 = 1,024 + 6 rows), odd hidden sizes: wherever a kernel's bounds check matters.
+# What the sanitizer runs below drive: partial batches (200 = 15 x 13 + 5, 72 = 64 + 8, and batch 1), a forward
+# pass across FORWARD_CHUNK (1,030 = 1,024 + 6 rows), odd hidden sizes: wherever a kernel's bounds check matters.
+# The wide layer (hidden 1024) takes a step and a half and a short forward: every kernel and bound of the others,
+# at a third of the arithmetic, which racecheck pays for access by access.
 MEMCHECK_SCRIPT = """
 import numpy as np, {package}
 from common.nets.mlp import init_params
 rng = np.random.default_rng(0)
 X = rng.standard_normal((1030, 784)).astype(np.float32)
 y = rng.integers(0, 10, 1030)
-for hidden, batch in ((37, 13), (1, 1), (256, 8), (1024, 64)):
+for hidden, batch, rows, forward in ((37, 13, 200, 1030), (1, 1, 200, 1030), (256, 8, 200, 1030), (1024, 64, 72, 70)):
     model = {package}.MLP(init_params(0, hidden){options})
-    model.train_epoch(X[:200], y[:200], batch, 0.1)
-    model.forward(X)
+    model.train_epoch(X[:rows], y[:rows], batch, 0.1)
+    model.forward(X[:forward])
     model.loss_and_grads(X[:13], y[:13])
 """
 
