@@ -172,15 +172,19 @@ build/lab_level7.so: tests/lab_level7.cu level7_fused/mlp.cu level6_cublas/mlp.c
 	$(build_with_cublas)
 
 levels: $(CC_LEVELS) $(NVCC_LEVELS)
+# What the jobs that run the levels build: the CUDA levels (and cuBLAS's and cuDNN's wheels) only where a GPU is
+# visible, since nowhere else can they run; `make levels` and the tests build them wherever nvcc is.
+GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
+RUNNABLE_LEVELS := $(CC_LEVELS) $(if $(GPU),$(NVCC_LEVELS))
 
 # ---- the main job and the tests ----
 # What a grade of LEVEL needs: the CUDA libraries' wheels only for levels 6 and 7 (or every level).
 GRADE_ENV := $(ENV) $(if $(filter 1 2 3 4 5,$(LEVEL)),,$(CUDA_ENV))
 
-compare: $(ENV) levels
+compare: $(ENV) $(RUNNABLE_LEVELS)
 	$(PYTHON) -m common.harness.compare $(ARGS)
 
-bench: $(ENV) levels
+bench: $(ENV) $(RUNNABLE_LEVELS)
 	$(PYTHON) -m common.harness.bench $(ARGS)
 
 # LeNet-5 served from a PyTorch state_dict by the GPU levels, checked against PyTorch and timed (a GPU machine).
