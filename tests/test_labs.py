@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 from common.classroom import bwrap, lab
+from common.classroom import grade as grader
 from common.levels import ROOT, gpu_available
 from plant_bugs import ADAM_BUGS, BUGS, apply, scratch_copy
 
@@ -777,3 +778,14 @@ def test_the_gradebook_grades_any_folder_a_class_hands_in(odd_class):
     graded = [student for student, kind in kinds.items() if kind not in ("a linked folder", "a file")]
     assert len(list((odd_class["book"] / "json").glob("*.json"))) == len(graded)
     assert (odd_class["book"] / "summary.md").read_text().startswith(f"# Gradebook: {len(kinds)} submissions")
+
+
+def test_a_failing_check_is_explained_in_the_chapters_words():
+    """The verifier's numbers come with what they mean: "(1.2e-38 allowed)" reads as the rule of chapter 3."""
+    task = next(t for t in lab.TASKS if t.level == 3)
+    message = ("lockstep: step 0: the fc1.bias update is 1e-05 from the float64 step, where level 1's is 0 "
+               "(1.2e-38 allowed)")
+    status, note = grader.settle(grader.Result(task, "run", outcomes=[("test_x", "failed", message)]), [])
+    assert status == "FAIL" and note.startswith(message) and "twice as far" in note and "chapter 3, section 4" in note
+    status, note = grader.settle(grader.Result(task, "run", outcomes=[("test_x", "failed", "assert 1 == 2")]), [])
+    assert note == "assert 1 == 2 (test_x)"  # nothing added where the message names none of the verifier's numbers

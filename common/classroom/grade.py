@@ -41,6 +41,16 @@ TEST_FILES = ("tests/test_tasks.py", "tests/test_level2.py", "tests/test_levels.
 BUILDS = {lv.number: (lv.name, *lv.lab_libraries) for lv in LEVELS if {"cc", "nvcc"} & set(lv.needs)}
 NEEDS_GPU = "needs GPU"  # a status: not gradeable on this machine, and not failed
 NO_GPU = "needs an NVIDIA GPU, and none is visible here: grade it on a GPU machine (LABS.md, 'GPU tasks')"
+VERIFIED = "chapter 3, section 4, 'Verified against level 1'"
+# What the verifier's numbers mean, in the words of the chapter that teaches them: added to a failing task's note where
+# its message uses them, so that "(1.2e-38 allowed)" reads as a rule, not a constant.
+WORDS = (
+    ("from the float64 step", "the float64 step is the same step in double precision, as exact as we get; your "
+     "result may be at most twice as far from it as PyTorch's own float32 result, plus float32's rounding of it, "
+     f"so a result that is off by more than rounding fails ({VERIFIED})"),
+    ("float32 noise allows", "float32 noise is how far PyTorch's own run drifts from the same run in double "
+     f"precision; your run may differ from PyTorch's by a few times that ({VERIFIED})"),
+)
 
 
 @dataclass
@@ -184,7 +194,7 @@ def settle(r: Result, broken: list[str]) -> tuple[str, str]:
     failed = [(name, message) for name, outcome, message in r.outcomes if outcome == "failed"]
     if failed:
         name, message = failed[0]
-        return "FAIL", f"{message} ({name})"
+        return "FAIL", f"{message} ({name})" + "".join(f". In words: {words}" for term, words in WORDS if term in message)
     if not r.outcomes:
         return "FAIL", f"no check ran: {broken[0] if broken else f'no test is marked task({r.task.id!r})'}"
     if all(outcome == "skipped" for _, outcome, _ in r.outcomes):
