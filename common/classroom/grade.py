@@ -194,7 +194,8 @@ def settle(r: Result, broken: list[str]) -> tuple[str, str]:
     failed = [(name, message) for name, outcome, message in r.outcomes if outcome == "failed"]
     if failed:
         name, message = failed[0]
-        return "FAIL", f"{message} ({name})" + "".join(f". In words: {words}" for term, words in WORDS if term in message)
+        words = "".join(f". In words: {words}" for term, words in WORDS if term in message)
+        return "FAIL", f"{message} ({name}){words}"
     if not r.outcomes:
         return "FAIL", f"no check ran: {broken[0] if broken else f'no test is marked task({r.task.id!r})'}"
     if all(outcome == "skipped" for _, outcome, _ in r.outcomes):
