@@ -5,7 +5,9 @@
 
 PYTHON_VERSION_OK := $(shell python3 -c 'import sys; print(sys.version_info >= (3, 10))' 2>/dev/null)
 VENV    := .venv
-PYTHON  ?= $(VENV)/bin/python
+# A student edition (make lab) in the course's own folder uses the course's environment, once it is set up.
+COURSE_ENV := $(and $(wildcard LAB_EDITION),$(wildcard ../common/levels.py),$(wildcard ../$(VENV)/.installed))
+PYTHON  ?= $(if $(COURSE_ENV),../$(VENV)/bin/python,$(VENV)/bin/python)
 NVCC    ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
 CFLAGS  := -O3 -march=native -std=c11 -Wall -Wextra -Wpedantic -Werror -fPIC
 # Fat binary: machine code for A100 (sm_80) and H100/H200 (sm_90), plus PTX that newer GPUs compile at load.
@@ -247,7 +249,7 @@ gradebook: $(GRADE_ENV)
 		$(if $(TASK),--task $(TASK)) $(ARGS)
 
 notebooks: $(ENV) levels
-	$(VENV)/bin/jupyter lab
+	$(PYTHON) -m jupyter lab
 
 clean:
 	rm -rf level*/lib*.so build

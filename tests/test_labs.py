@@ -789,3 +789,24 @@ def test_a_failing_check_is_explained_in_the_chapters_words():
     assert status == "FAIL" and note.startswith(message) and "twice as far" in note and "chapter 3, section 4" in note
     status, note = grader.settle(grader.Result(task, "run", outcomes=[("test_x", "failed", "assert 1 == 2")]), [])
     assert note == "assert 1 == 2 (test_x)"  # nothing added where the message names none of the verifier's numbers
+
+
+def test_an_edition_in_the_courses_folder_uses_the_courses_environment(tmp_path):
+    """make lab writes lab/ in the course: its make grade takes the course's .venv (2 GB, set up once) rather than
+    setting up another; an edition elsewhere, or before the course's is set up, sets up its own."""
+    course, edition = tmp_path / "course", tmp_path / "course" / "lab"
+    (course / "common").mkdir(parents=True)
+    (course / "common" / "levels.py").write_text("")
+    (course / ".venv").mkdir()
+    (course / ".venv" / ".installed").touch()
+    edition.mkdir()
+    for name in ("Makefile", "pyproject.toml"):
+        shutil.copy(ROOT / name, edition)
+    (edition / lab.MARKER).touch()
+
+    def dry_grade() -> str:
+        return subprocess.run(["make", "-n", "grade"], cwd=edition, capture_output=True, text=True).stdout
+
+    assert "../.venv/bin/python -m common.classroom.grade" in dry_grade() and "-m venv" not in dry_grade()
+    (course / ".venv" / ".installed").unlink()
+    assert "python3 -m venv .venv" in dry_grade() and ".venv/bin/python -m common.classroom.grade" in dry_grade()

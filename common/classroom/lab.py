@@ -593,8 +593,8 @@ The comment or docstring above each function says what it computes, with the sha
     make grade LEVEL={number}             # the whole level: the table, and grade.json
 {gpu}
 The first `make grade` sets up `.venv` in this folder (PyTorch, NumPy, cffi, pytest, Jupyter from the package index:
-about 2 GB and a few minutes, once). Open the chapters with `make notebooks`, which uses the same environment: a
-chapter runs your code. If you change a file and want it back, `git checkout <file>` (the edition is a git
+about 2 GB and a few minutes, once), unless this folder sits in the course's own, whose environment it then uses.
+Open the chapters with `make notebooks`, which uses the same environment: a chapter runs your code. If you change a file and want it back, `git checkout <file>` (the edition is a git
 repository) restores the version you were given.
 
 | task | write | checked | points |
