@@ -248,8 +248,10 @@ gradebook: $(GRADE_ENV)
 	$(PYTHON) -m common.classroom.gradebook $(SUBMISSIONS) $(if $(JOBS),--jobs $(JOBS)) $(if $(LEVEL),--level $(LEVEL)) \
 		$(if $(TASK),--task $(TASK)) $(ARGS)
 
+# The kernels import this folder's modules first (a chapter runs in its level's folder): an edition using the course's
+# environment runs its own code, not the course's.
 notebooks: $(ENV) levels
-	$(PYTHON) -m jupyter lab
+	PYTHONPATH=$(CURDIR) $(PYTHON) -m jupyter lab
 
 clean:
 	rm -rf level*/lib*.so build
