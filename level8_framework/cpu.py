@@ -68,16 +68,16 @@ class NumpyBackend:
     @staticmethod
     def offset(a: np.ndarray) -> int:
         """Where a's first value lies in its storage, in values."""
-        return (_address(a) - _address(_storage(a))) // a.itemsize
+        return _start(a, _owner(a)) // a.itemsize
 
     @staticmethod
     def as_strided(a: np.ndarray, shape: tuple[int, ...], strides: tuple[int, ...], offset: int) -> np.ndarray:
         """A view of a's storage: value [i, j, ...] at a's first value + offset + i strides[0] + j strides[1] + ...
         NumPy refuses a view that would reach outside the storage."""
         a = np.asarray(a)  # a NumPy scalar (a sum's gradient may be one) as an array of one value
-        storage = _storage(a)
-        start = _address(a) - _address(storage) + offset * a.itemsize
-        return np.ndarray(shape, a.dtype, buffer=storage, offset=start, strides=tuple(s * a.itemsize for s in strides))
+        owner = _owner(a)
+        return np.ndarray(shape, a.dtype, buffer=_storage(owner), offset=_start(a, owner) + offset * a.itemsize,
+                          strides=tuple(s * a.itemsize for s in strides))
 
     @staticmethod
     def contiguous(a: np.ndarray) -> np.ndarray:
@@ -272,16 +272,23 @@ class NumpyBackend:
         return data[0][batch], data[1][batch]
 
 
-def _address(a: np.ndarray) -> int:
-    return a.__array_interface__["data"][0]
+def _owner(a: np.ndarray) -> np.ndarray:
+    """The array that owns a's memory: a NumPy view's base (NumPy points every view at it), or a itself."""
+    return a.base if isinstance(a.base, np.ndarray) else a
 
 
-def _storage(a: np.ndarray) -> np.ndarray:
-    """The memory a's values lie in, as one row: the array that owns it (a NumPy view's base; a itself when it owns
-    its memory), in memory order. An array NumPy made is dense, so ravel("K") views all of it without a copy."""
-    owner = a.base if isinstance(a.base, np.ndarray) else a
+def _start(a: np.ndarray, owner: np.ndarray) -> int:
+    """Where a's first value lies in its owner's memory, in bytes. An array NumPy made is dense, from its first value
+    on: a view of all of it without gaps (w.T of a row-major w) starts there too, and needs no address."""
+    if a is owner or (a.size == owner.size and (a.flags.c_contiguous or a.flags.f_contiguous)):
+        return 0
+    return a.__array_interface__["data"][0] - owner.__array_interface__["data"][0]
+
+
+def _storage(owner: np.ndarray) -> np.ndarray:
+    """An owner's memory as one row of values, in memory order: ravel("K") views a dense array without a copy."""
     storage = owner.ravel(order="K")
-    if not np.may_share_memory(storage, owner):
+    if storage.base is None and storage is not owner:
         raise ValueError("a view of an array whose memory NumPy does not hold in one piece: pass a copy")
     return storage
 
