@@ -1,6 +1,6 @@
-"""ops_stand_in.py's stand-in for level 8's GPU library, with the rest of common/native/ops.h: the strided copy of views,
-and map, zip and reduce. Each reads and writes the memory behind its pointers through the sizes and strides it is
-given, as the kernels do, so a wrong stride, offset or size from level8_framework/cuda.py shows in the values. The
+"""ops_stand_in.py's stand-in for level 8's GPU library, with the rest of common/native/ops.h: the strided copy of
+views, and map, zip and reduce. Each reads and writes the memory behind its pointers through the sizes and strides it
+is given, as the kernels do, so a wrong stride, offset or size from level8_framework/cuda.py shows in the values. The
 `device` fixture here is ops_stand_in's (cpu, cuda, cuda over a stand-in) with this stand-in.
 """
 

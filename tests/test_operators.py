@@ -131,7 +131,7 @@ UNARY = {
 }
 
 
-@pytest.mark.parametrize("name", UNARY)
+@pytest.mark.parametrize("name", UNARY, ids=lambda name: name.replace(" ", ""))
 @pytest.mark.parametrize("layout", ["contiguous", "transposed", "sliced"])
 def test_functions_of_each_value(fw, device, name, layout):
     f, domain = UNARY[name]
@@ -142,7 +142,7 @@ def test_functions_of_each_value(fw, device, name, layout):
 # ---- reductions over axes, keepdim or not ----
 
 
-@pytest.mark.parametrize("dim", [None, 0, -1, (0, 2), (2, 1, 0)], ids=str)
+@pytest.mark.parametrize("dim", [None, 0, -1, (0, 2), (2, 1, 0)], ids=lambda dim: str(dim).replace(" ", ""))
 @pytest.mark.parametrize("keepdim", [False, True])
 @pytest.mark.parametrize("name", ["sum", "mean", "max"])
 def test_reductions_over_axes(fw, device, name, dim, keepdim):
@@ -182,7 +182,7 @@ VIEWS = {
 }
 
 
-@pytest.mark.parametrize("name", VIEWS)
+@pytest.mark.parametrize("name", VIEWS, ids=lambda name: name.replace(" ", "-").replace(",", ""))
 def test_views_send_the_gradient_back_through_their_strides(fw, device, name):
     """Each followed by a product with a second tensor, so that every position's gradient is its own."""
     check(fw, device, lambda t, w: VIEWS[name](t) * w, [values((2, 3, 4), 8), values(VIEWS[name](
@@ -229,7 +229,7 @@ GRAPHS = {
 }
 
 
-@pytest.mark.parametrize("graph", GRAPHS)
+@pytest.mark.parametrize("graph", GRAPHS, ids=lambda name: name.replace(" ", "-"))
 def test_graphs_of_every_shape(fw, device, graph):
     check(fw, device, GRAPHS[graph], [values((4, 5), 17), values((4, 5), 18)])
 

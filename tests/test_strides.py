@@ -46,7 +46,7 @@ def test_contiguous_strides_are_pytorchs(shape):
     assert strides.contiguous_strides(shape) == torch.empty(shape).stride()
 
 
-@pytest.mark.parametrize("name, t", layouts(), ids=[name for name, _ in layouts()])
+@pytest.mark.parametrize("name, t", layouts(), ids=[name.replace(" ", "-") for name, _ in layouts()])
 def test_is_contiguous_and_index_to_position_read_pytorchs_layouts(name, t):
     """Every value of the view lies where index_to_position says, in its storage."""
     storage = torch.arange(24.0)
@@ -55,7 +55,7 @@ def test_is_contiguous_and_index_to_position_read_pytorchs_layouts(name, t):
         assert storage[strides.index_to_position(index, t.stride(), t.storage_offset())] == t[index]
 
 
-@pytest.mark.parametrize("name, t", layouts(), ids=[name for name, _ in layouts()])
+@pytest.mark.parametrize("name, t", layouts(), ids=[name.replace(" ", "-") for name, _ in layouts()])
 def test_view_strides_are_pytorchs_computestride(name, t):
     """For every shape of the same size: PyTorch's view() succeeds exactly where view_strides finds strides, and
     with the same strides; elsewhere view() raises and only reshape() (a copy) can."""
@@ -130,7 +130,7 @@ def shares_storage(view, base) -> bool:
     return view.data.memory is base.data.memory
 
 
-@pytest.mark.parametrize("name", VIEWS)
+@pytest.mark.parametrize("name", VIEWS, ids=lambda name: name.replace(" ", "-").replace(",", ""))
 def test_views_are_pytorchs_over_the_same_storage(device, name):
     """The view's shape, strides and offset are PyTorch's, and so are its values; it shares the storage exactly where
     PyTorch's does (reshape copies only where no strides can read the values in the new shape)."""
@@ -194,3 +194,22 @@ def test_the_gpus_strided_copy_has_at_most_eight_axes(device):
         return
     with pytest.raises(NotImplementedError, match="at most 8 axes"):
         t.contiguous()
+
+
+def test_the_chapters_figure_reads_each_view_through_its_layout():
+    """Chapter 8's figure of views (common/book/figures/level8.py): under each view's label, its grid shows row by row
+    the storage's values at index_to_position, and the storage cells it reads carry their place in that order (a
+    stride of 0 reads a cell twice: two numbers)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from common.book.figures import level8 as figures
+
+    storage = np.arange(100, 112, dtype=np.float32)  # values unlike their positions
+    layouts = [("x.T", (4, 3), (1, 4), 0), ("x[1:, ::2]", (2, 2), (4, 2), 4), ("a broadcast", (2, 3), (0, 4), 1)]
+    shown = [text.get_text() for text in figures.views(storage, layouts, "test").axes[0].texts]
+    for label, shape, view_strides, offset in layouts:
+        start = shown.index(f"{label}: shape {shape}, strides {view_strides}, offset {offset}") + 1
+        values = [f"{storage[strides.index_to_position(i, view_strides, offset)]:g}" for i in np.ndindex(*shape)]
+        assert shown[start : start + len(values)] == values, label
+    assert {"1,4", "2,5", "3,6"} <= set(shown)
