@@ -176,6 +176,10 @@ class CudaBackend:
                              f"outside its storage of {a.memory.values} values")
         return DeviceArray(a.memory, shape, a.dtype, first, strides)
 
+    def permute(self, a: DeviceArray, dims: tuple[int, ...]) -> DeviceArray:
+        """A view of a with its axes in the order dims (strides.permute: sizes and strides reordered)."""
+        return self.as_strided(a, *layout.permute(tuple(a.shape), a.strides, dims), 0)
+
     def contiguous(self, a: DeviceArray) -> DeviceArray:
         """a if its values lie row-major without gaps, else a row-major copy: a transposed view through the transpose
         kernel, any other through the strided copy."""

@@ -430,15 +430,16 @@ def permute(x: Tensor, *dims: int) -> Tensor:
     """x's axes reordered, a view: axis d of the result is x's axis dims[d], with its size and stride. Backward: the
     inverse reordering of the gradient."""
     dims = tuple(_axis(d, x.ndim) for d in _sizes(dims))
+    strides.permute(x.shape, x.stride(), dims)  # each axis once, or why not
     inverse = tuple(sorted(range(len(dims)), key=dims.__getitem__))
     be = x.backend
     return _result(_permuted(be, x.data, dims), be, (x,), lambda g: (_permuted(be, g, inverse),))
 
 
 def _permuted(be, data, dims) -> object:
-    """A view of backend array `data` with its axes in the order dims."""
-    shape, steps = strides.permute(tuple(data.shape), be.strides(data), tuple(dims))
-    return be.as_strided(data, shape, steps, 0)
+    """A view of backend array `data` with its axes in the order dims: its sizes and strides reordered
+    (strides.permute), by the backend."""
+    return be.permute(data, tuple(dims))
 
 
 def index(x: Tensor, key) -> Tensor:
