@@ -1,6 +1,6 @@
-"""Level 8: a framework of your own - tensors and autograd (tensor.py), layers (nn.py), optimizers (optim.py) on a
-NumPy backend (cpu.py) and a GPU one (cuda.py, over ops.cu: build with `make level8`) - and the course's two networks
-written in it (mlp.py, lenet.py)."""
+"""Level 8: a framework of your own - tensors and autograd (tensor.py), views over storage, shape and strides
+(strides.py), layers (nn.py), optimizers (optim.py) on a NumPy backend (cpu.py) and a GPU one (cuda.py, over ops.cu:
+build with `make level8`) - and the course's two networks written in it (mlp.py, lenet.py)."""
 
 from level8_framework import nn, optim
 from level8_framework.mlp import MLP

@@ -2,8 +2,11 @@
 
 Every backend has these methods, under the same names (cuda.py's take device arrays). Where level 3 has the layer,
 its function is the kernel itself, imported, so that the framework's MLP computes exactly what level 3's does; the
-rest (a general matmul, broadcasting, sigmoid, MSE, the mean) is written here. A transposed view (w.T) is a NumPy view,
-and matmul reads it in place, as BLAS can.
+rest (a general matmul, broadcasting, the element-wise functions, the reductions, MSE) is NumPy's, a line each.
+
+A NumPy array is already storage, shape and strides (strides.py): its memory belongs to the array that owns it (its
+`base`), and its strides count bytes. as_strided makes the views tensor.py asks for on that memory, and NumPy reads any
+strides in place: a transposed view (w.T) goes to matmul as it lies, as BLAS can read it.
 """
 
 from __future__ import annotations
@@ -26,12 +29,12 @@ class NumpyBackend:
 
     @staticmethod
     def from_numpy(a: np.ndarray) -> np.ndarray:
-        """The backend's own float32 copy of a host array."""
-        return np.array(a, dtype=np.float32)
+        """The backend's own float32 copy of a host array, row-major."""
+        return np.array(a, dtype=np.float32, order="C")
 
     @staticmethod
     def to_numpy(a: np.ndarray) -> np.ndarray:
-        return np.array(a, dtype=np.float32)
+        return np.array(a, dtype=np.float32, order="C")
 
     @staticmethod
     def zeros(shape: tuple[int, ...]) -> np.ndarray:
@@ -55,6 +58,43 @@ class NumpyBackend:
         """a[index] = value, one value (an epoch's losses, kept where they are until the epoch ends)."""
         a[index] = value
 
+    # ---- storage, shape and strides: views (strides.py) ----
+
+    @staticmethod
+    def strides(a: np.ndarray) -> tuple[int, ...]:
+        """a's strides in values (NumPy counts bytes)."""
+        return tuple(s // a.itemsize for s in a.strides)
+
+    @staticmethod
+    def offset(a: np.ndarray) -> int:
+        """Where a's first value lies in its storage, in values."""
+        return _start(a, _owner(a)) // a.itemsize
+
+    @staticmethod
+    def as_strided(a: np.ndarray, shape: tuple[int, ...], strides: tuple[int, ...], offset: int) -> np.ndarray:
+        """A view of a's storage: value [i, j, ...] at a's first value + offset + i strides[0] + j strides[1] + ...
+        NumPy refuses a view that would reach outside the storage."""
+        a = np.asarray(a)  # a NumPy scalar (a sum's gradient may be one) as an array of one value
+        owner = _owner(a)
+        return np.ndarray(shape, a.dtype, buffer=_storage(owner), offset=_start(a, owner) + offset * a.itemsize,
+                          strides=tuple(s * a.itemsize for s in strides))
+
+    @staticmethod
+    def permute(a: np.ndarray, dims: tuple[int, ...]) -> np.ndarray:
+        """A view of a with its axes in the order dims: NumPy's own, which reorders sizes and strides as strides.permute
+        does, at a fraction of as_strided's cost (a transpose in every linear layer's forward and backward)."""
+        return np.transpose(a, dims)
+
+    @staticmethod
+    def contiguous(a: np.ndarray) -> np.ndarray:
+        """a if its values lie row-major without gaps, else a row-major copy."""
+        return np.ascontiguousarray(a)
+
+    @staticmethod
+    def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
+        """dst's values = src's, in place (dst a view: its storage changes)."""
+        dst[...] = src
+
     # ---- products and shapes ----
 
     @staticmethod
@@ -77,22 +117,65 @@ class NumpyBackend:
         return da, db
         # END LAB
 
-    @staticmethod
-    def transpose(a: np.ndarray) -> np.ndarray:
-        return a.T
-
-    @staticmethod
-    def reshape(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-        return a.reshape(shape)
+    # ---- element-wise, broadcast as NumPy does (a 0-d result stays an array) ----
 
     @staticmethod
     def add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        return a + b
+        return np.asarray(a + b)
+
+    @staticmethod
+    def sub(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return np.asarray(a - b)
+
+    @staticmethod
+    def mul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return np.asarray(a * b)
+
+    @staticmethod
+    def div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return np.asarray(a / b)
+
+    @staticmethod
+    def eq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """1 where a == b, else 0."""
+        return np.asarray(a == b, dtype=a.dtype)
+
+    @staticmethod
+    def neg(a: np.ndarray) -> np.ndarray:
+        return np.asarray(-a)
+
+    @staticmethod
+    def pow(a: np.ndarray, k: float) -> np.ndarray:
+        """a ** k, k a number."""
+        return np.asarray(a ** np.asarray(k, dtype=a.dtype))
+
+    @staticmethod
+    def exp(a: np.ndarray) -> np.ndarray:
+        return np.asarray(np.exp(a))
+
+    @staticmethod
+    def log(a: np.ndarray) -> np.ndarray:
+        return np.asarray(np.log(a))
+
+    @staticmethod
+    def tanh(a: np.ndarray) -> np.ndarray:
+        return np.asarray(np.tanh(a))
+
+    # ---- reductions over axes ----
+
+    @staticmethod
+    def sum(a: np.ndarray, dims: tuple[int, ...], keepdim: bool) -> np.ndarray:
+        return np.asarray(np.sum(a, axis=dims, keepdims=keepdim))
+
+    @staticmethod
+    def amax(a: np.ndarray, dims: tuple[int, ...], keepdim: bool) -> np.ndarray:
+        return np.asarray(np.max(a, axis=dims, keepdims=keepdim))
 
     @staticmethod
     def sum_to(g: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-        """add()'s backward for an input of `shape` that add() broadcast to g's shape (axes added in front, axes of size
-        1 stretched): the input's gradient, of `shape`, from g, the gradient with respect to add()'s output."""
+        """add()'s backward (and every broadcast operation's) for an input of `shape` that add() broadcast to g's shape
+        (axes added in front, axes of size 1 stretched): the input's gradient, of `shape`, from g, the gradient with
+        respect to add()'s output."""
         # BEGIN LAB 8.3 broadcast backward
         # An input broadcast along an axis was used once per position there: its gradient is g summed over that axis.
         if g.shape == shape:
@@ -104,7 +187,7 @@ class NumpyBackend:
         return g.sum(axis=axes).reshape(shape)
         # END LAB
 
-    # ---- element-wise layers ----
+    # ---- element-wise layers: level 3's ----
 
     relu_forward = staticmethod(layers.relu_forward)
     relu_backward = staticmethod(layers.relu_backward)
@@ -193,6 +276,27 @@ class NumpyBackend:
         """Rows order[start : start + rows] of the data set: (x (rows, 784), their labels)."""
         batch = order[start : start + rows]
         return data[0][batch], data[1][batch]
+
+
+def _owner(a: np.ndarray) -> np.ndarray:
+    """The array that owns a's memory: a NumPy view's base (NumPy points every view at it), or a itself."""
+    return a.base if isinstance(a.base, np.ndarray) else a
+
+
+def _start(a: np.ndarray, owner: np.ndarray) -> int:
+    """Where a's first value lies in its owner's memory, in bytes. An array NumPy made is dense, from its first value
+    on: a view of all of it without gaps (w.T of a row-major w) starts there too, and needs no address."""
+    if a is owner or (a.size == owner.size and (a.flags.c_contiguous or a.flags.f_contiguous)):
+        return 0
+    return a.__array_interface__["data"][0] - owner.__array_interface__["data"][0]
+
+
+def _storage(owner: np.ndarray) -> np.ndarray:
+    """An owner's memory as one row of values, in memory order: ravel("K") views a dense array without a copy."""
+    storage = owner.ravel(order="K")
+    if storage.base is None and storage is not owner:
+        raise ValueError("a view of an array whose memory NumPy does not hold in one piece: pass a copy")
+    return storage
 
 
 BACKEND = NumpyBackend()

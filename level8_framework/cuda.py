@@ -6,42 +6,52 @@ The methods are cpu.py's, under the same names, on DeviceArray instead of NumPy 
 library's pool when an array is made and given back when Python collects the last array on it (ffi.gc), in the order of
 the one stream every operation is queued on: nothing waits for the GPU but a copy back to the host (to_numpy). Copies
 between host and device happen only where asked: Tensor.to(), .numpy(), .item(), and the data set of train_epoch.
-Broadcasting here is a layer's bias, a trailing shape (its backward, level 5's column sums); convolutions and pools
-take square images (level 5's kernels). Anything else is refused with NotImplementedError, never computed wrong.
+
+A DeviceArray is storage, shape and strides (strides.py): its memory, where its first value lies there, and a stride
+per axis. A view is a new DeviceArray on the same memory. The kernels read row-major arrays: `contiguous` copies any
+other view through ops.cu's strided copy (a transposed one through level 8's transpose kernel), but the products, which
+read w.T in place as cuBLAS can. A layer's bias is added and summed back with level 5's kernels; any other broadcast
+operand is made full-size (a stride-0 view, copied) for ops.cu's map, zip and reduce, the kernels of every other
+operation. Convolutions and pools take square images (level 5's kernels): anything else is refused with
+NotImplementedError, never computed wrong.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
 from common.levels import ROOT
 from common.native import NativeError, ffi
+from level8_framework import strides as layout
 
 LIBRARY = ROOT / "level8_framework" / "libops.so"
 INT_MAX = 2**31 - 1  # what a C int counts: the library's sizes
 
 
 class Memory:
-    """One allocation of device memory, given back to the pool when Python collects it."""
+    """One allocation of device memory, a storage of `values` 4-byte values, given back to the pool when Python
+    collects it."""
 
-    __slots__ = ("pointer", "__weakref__")
+    __slots__ = ("pointer", "values", "__weakref__")
 
     def __init__(self, backend: CudaBackend, nbytes: int):
         out = ffi.new("void **")
         backend.check(backend.lib.ops_alloc(backend.context, out, nbytes))
-        self.pointer = ffi.gc(out[0], backend.free)
+        self.pointer, self.values = ffi.gc(out[0], backend.free), nbytes // 4
 
 
 class DeviceArray:
-    """A float32 (or int32) array on the GPU: a shape over memory, from an offset (in elements); a 2-D view may be
-    transposed (w.T: the memory holds the transpose, row-major), which only the products read as it lies."""
+    """A float32 (or int32) array on the GPU: its storage (memory), where its first value lies there (offset, in
+    values), its shape and its strides (in values; row-major unless given)."""
 
-    __slots__ = ("memory", "offset", "shape", "dtype", "transposed")
+    __slots__ = ("memory", "offset", "shape", "strides", "dtype")
 
     def __init__(self, memory: Memory, shape: tuple[int, ...], dtype: str = "float", offset: int = 0,
-                 transposed: bool = False):
-        self.memory, self.shape, self.dtype = memory, tuple(shape), dtype
-        self.offset, self.transposed = offset, transposed
+                 strides: tuple[int, ...] | None = None):
+        self.memory, self.shape, self.dtype, self.offset = memory, tuple(shape), dtype, offset
+        self.strides = layout.contiguous_strides(self.shape) if strides is None else tuple(strides)
 
     @property
     def size(self) -> int:
@@ -55,10 +65,15 @@ class DeviceArray:
         """The C pointer to its first element."""
         return ffi.cast(f"{self.dtype} *", self.memory.pointer) + self.offset
 
-    def view(self, shape=None, offset: int = 0, transposed=None) -> DeviceArray:
-        """Another array on the same memory."""
-        return DeviceArray(self.memory, self.shape if shape is None else shape, self.dtype, self.offset + offset,
-                           self.transposed if transposed is None else transposed)
+    @property
+    def is_contiguous(self) -> bool:
+        """Whether its values lie row-major without gaps, as the kernels read them."""
+        return layout.is_contiguous(self.shape, self.strides)
+
+    @property
+    def transposed(self) -> bool:
+        """Whether it is a 2-D view w.T of a row-major w, which the products read as it lies (cuBLAS's transpose)."""
+        return len(self.shape) == 2 and self.strides == (1, self.shape[0])
 
 
 def _count(n: int, what: str) -> int:
@@ -132,23 +147,68 @@ class CudaBackend:
         return out
 
     def copy(self, a: DeviceArray) -> DeviceArray:
-        out = DeviceArray(Memory(self, 4 * max(a.size, 1)), a.shape, a.dtype, transposed=a.transposed)
+        """a's values on new memory: in a's layout where they lie without gaps (row-major, or transposed), else
+        row-major."""
+        if not (a.is_contiguous or a.transposed):
+            return self.contiguous(a)
+        out = DeviceArray(Memory(self, 4 * max(a.size, 1)), a.shape, a.dtype, strides=a.strides)
         self.check(self.lib.ops_copy(self.context, out.ptr, a.ptr, 4 * a.size))
         return out
 
+    # ---- storage, shape and strides: views (strides.py) ----
+
+    @staticmethod
+    def strides(a: DeviceArray) -> tuple[int, ...]:
+        return a.strides
+
+    @staticmethod
+    def offset(a: DeviceArray) -> int:
+        return a.offset
+
+    @staticmethod
+    def as_strided(a: DeviceArray, shape: tuple[int, ...], strides: tuple[int, ...], offset: int) -> DeviceArray:
+        """A view of a's memory: value [i, j, ...] at a's first value + offset + i strides[0] + j strides[1] + ...
+        Refused where a value would lie outside the memory (a wrong stride never reads another tensor's values)."""
+        first = a.offset + offset
+        last = first + sum((n - 1) * s for n, s in zip(shape, strides))
+        if math.prod(shape) and (first < 0 or last >= a.memory.values):
+            raise ValueError(f"a view of shape {tuple(shape)}, strides {tuple(strides)} from value {first} reaches "
+                             f"outside its storage of {a.memory.values} values")
+        return DeviceArray(a.memory, shape, a.dtype, first, strides)
+
+    def permute(self, a: DeviceArray, dims: tuple[int, ...]) -> DeviceArray:
+        """A view of a with its axes in the order dims (strides.permute: sizes and strides reordered)."""
+        return self.as_strided(a, *layout.permute(tuple(a.shape), a.strides, dims), 0)
+
     def contiguous(self, a: DeviceArray) -> DeviceArray:
-        """a, or a transposed view made row-major."""
-        if not a.transposed:
+        """a if its values lie row-major without gaps, else a row-major copy: a transposed view through the transpose
+        kernel, any other through the strided copy."""
+        if a.is_contiguous:
             return a
         out = self.empty(a.shape)
-        self.check(self.lib.ops_transpose(self.context, out.ptr, a.ptr, _count(a.shape[1], "rows"),
-                                          _count(a.shape[0], "columns")))
+        if a.transposed:
+            self.check(self.lib.ops_transpose(self.context, out.ptr, a.ptr, _count(a.shape[1], "rows"),
+                                              _count(a.shape[0], "columns")))
+        else:
+            self.copy_into(out, a)
         return out
+
+    def copy_into(self, dst: DeviceArray, src: DeviceArray) -> None:
+        """dst's values = src's, in place, each read and written through its own strides (ops_strided_copy)."""
+        if dst.shape != src.shape:
+            raise ValueError(f"copy_into needs one shape, got {dst.shape} and {src.shape}")
+        if len(dst.shape) > self.lib.OPS_MAX_DIMS:
+            raise NotImplementedError(f"the GPU backend's views have at most {self.lib.OPS_MAX_DIMS} axes, got "
+                                      f"{len(dst.shape)}")
+        shape, to, source = (dst.shape, dst.strides, src.strides) if dst.shape else ((1,), (0,), (0,))
+        self.check(self.lib.ops_strided_copy(self.context, dst.ptr, [_count(s, "stride") for s in to], src.ptr,
+                                             [_count(s, "stride") for s in source], [_count(n, "size") for n in shape],
+                                             len(shape)))
 
     def assign(self, a: DeviceArray, values: np.ndarray) -> None:
         """Overwrite a's values in place, from the host."""
         host = np.asarray(values, dtype=np.float32, order="C")
-        if a.transposed or host.shape != a.shape:
+        if not a.is_contiguous or host.shape != a.shape:
             raise ValueError(f"cannot assign {host.shape} to a device array of shape {a.shape}")
         self.check(self.lib.ops_upload(self.context, a.ptr, ffi.from_buffer(host), host.nbytes))
 
@@ -158,7 +218,17 @@ class CudaBackend:
 
     # ---- products and shapes ----
 
+    def _operand(self, a: DeviceArray) -> DeviceArray:
+        """a as the products read it: row-major, or a transposed view as it lies; any other view copied row-major."""
+        return a if a.transposed else self.contiguous(a)
+
+    @staticmethod
+    def _transpose(a: DeviceArray) -> DeviceArray:
+        """The 2-D view a.T: the same memory, shape and strides swapped."""
+        return DeviceArray(a.memory, a.shape[::-1], a.dtype, a.offset, a.strides[::-1])
+
     def matmul(self, a: DeviceArray, b: DeviceArray) -> DeviceArray:
+        a, b = self._operand(a), self._operand(b)
         (M, K), N = a.shape, b.shape[1]
         out = self.empty((M, N))
         if b.transposed and not a.transposed:  # x @ w.T: level 6's linear layer product
@@ -172,15 +242,15 @@ class CudaBackend:
     def matmul_backward(self, g: DeviceArray, a: DeviceArray, b: DeviceArray, need_a: bool, need_b: bool) -> tuple:
         """(da = g @ b^T, db = a^T @ g), each in its input's layout (cpu.py's rule); x @ w.T's two are level 6's
         linear_backward, in one call."""
-        g = self.contiguous(g)
+        g, a, b = self.contiguous(g), self._operand(a), self._operand(b)
         if b.transposed and not a.transposed and need_b:
             (M, K), N = a.shape, b.shape[1]
             dw, dx = self.empty((N, K)), self.empty((M, K)) if need_a else None
             self.check(self.lib.ops_linear_backward(self.context, dx.ptr if need_a else ffi.NULL, dw.ptr, g.ptr, a.ptr,
                                                     b.ptr, _count(M, "rows"), _count(K, "inputs"),
                                                     _count(N, "outputs")))
-            return dx, dw.view(shape=(K, N), transposed=True)
-        T = self.transpose
+            return dx, self._transpose(dw)
+        T = self._transpose
         da = db = None
         if need_a:
             da = T(self.matmul(b, T(g))) if a.transposed else self.matmul(g, T(b))
@@ -188,18 +258,7 @@ class CudaBackend:
             db = T(self.matmul(T(g), a)) if b.transposed else self.matmul(T(a), g)
         return da, db
 
-    @staticmethod
-    def transpose(a: DeviceArray) -> DeviceArray:
-        return a.view(shape=a.shape[::-1], transposed=not a.transposed)
-
-    def reshape(self, a: DeviceArray, shape: tuple[int, ...]) -> DeviceArray:
-        shape = tuple(int(n) for n in shape)
-        if shape.count(-1) == 1:
-            known = int(np.prod([n for n in shape if n != -1], dtype=np.int64))
-            shape = tuple(a.size // known if n == -1 and known else n for n in shape)
-        if int(np.prod(shape, dtype=np.int64)) != a.size or min(shape, default=0) < 0:
-            raise ValueError(f"cannot reshape a tensor of size {a.size} into shape {shape}")
-        return self.contiguous(a).view(shape=shape)
+    # ---- element-wise: a + b as levels 5's bias where it is one, the rest through map and zip ----
 
     def add(self, a: DeviceArray, b: DeviceArray) -> DeviceArray:
         a, b = self.contiguous(a), self.contiguous(b)
@@ -211,26 +270,103 @@ class CudaBackend:
         big, bias = (a, b) if a.shape == shape else (b, a)  # a + b = b + a, bit for bit
         rows = _trailing(shape, bias.shape) if big.shape == shape else None
         if rows is None:
-            raise NotImplementedError(f"the GPU backend broadcasts a trailing shape (a bias) only, not {a.shape} + "
-                                      f"{b.shape}: on the CPU NumPy broadcasts any shapes")
+            return self._zip(self.lib.OPS_ADD, a, b)
         out = self.copy(big)
         self.check(self.lib.ops_bias_forward(self.context, out.ptr, bias.ptr, _count(rows, "rows"),
                                              _count(bias.size, "columns")))
         return out
 
+    def sub(self, a: DeviceArray, b: DeviceArray) -> DeviceArray:
+        return self._zip(self.lib.OPS_SUB, a, b)
+
+    def mul(self, a: DeviceArray, b: DeviceArray) -> DeviceArray:
+        return self._zip(self.lib.OPS_MUL, a, b)
+
+    def div(self, a: DeviceArray, b: DeviceArray) -> DeviceArray:
+        return self._zip(self.lib.OPS_DIV, a, b)
+
+    def eq(self, a: DeviceArray, b: DeviceArray) -> DeviceArray:
+        """1 where a == b, else 0."""
+        return self._zip(self.lib.OPS_EQ, a, b)
+
+    def neg(self, a: DeviceArray) -> DeviceArray:
+        return self._map(self.lib.OPS_NEG, a)
+
+    def pow(self, a: DeviceArray, k: float) -> DeviceArray:
+        """a ** k, k a number."""
+        return self._map(self.lib.OPS_POW, a, k)
+
+    def exp(self, a: DeviceArray) -> DeviceArray:
+        return self._map(self.lib.OPS_EXP, a)
+
+    def log(self, a: DeviceArray) -> DeviceArray:
+        return self._map(self.lib.OPS_LOG, a)
+
+    def tanh(self, a: DeviceArray) -> DeviceArray:
+        return self._map(self.lib.OPS_TANH, a)
+
+    def _map(self, f: int, a: DeviceArray, k: float = 0.0) -> DeviceArray:
+        """f of every value of a (ops_map)."""
+        a = self.contiguous(a)
+        out = self.empty(a.shape)
+        if out.size:
+            self.check(self.lib.ops_map(self.context, out.ptr, a.ptr, f, k, out.size))
+        return out
+
+    def _zip(self, op: int, a: DeviceArray, b: DeviceArray) -> DeviceArray:
+        """a op b, value by value (ops_zip), broadcast as NumPy does: an operand repeated along an axis is first viewed
+        with stride 0 there, then copied to its full size."""
+        shape = tuple(np.broadcast_shapes(a.shape, b.shape))
+        a, b = (self.contiguous(self.as_strided(x, shape, layout.broadcast_strides(x.shape, x.strides, shape), 0))
+                for x in (a, b))
+        out = self.empty(shape)
+        if out.size:
+            self.check(self.lib.ops_zip(self.context, out.ptr, a.ptr, b.ptr, op, out.size))
+        return out
+
+    # ---- reductions over axes ----
+
+    def sum(self, a: DeviceArray, dims: tuple[int, ...], keepdim: bool) -> DeviceArray:
+        return self._reduce(self.lib.OPS_SUM, a, dims, keepdim)
+
+    def amax(self, a: DeviceArray, dims: tuple[int, ...], keepdim: bool) -> DeviceArray:
+        return self._reduce(self.lib.OPS_MAX, a, dims, keepdim)
+
+    def _reduce(self, op: int, a: DeviceArray, dims: tuple[int, ...], keepdim: bool) -> DeviceArray:
+        """a reduced over the axes dims, one at a time, the last first: each a reduction of the middle axis of a
+        row-major (outer, n, inner) array (ops_reduce)."""
+        out, shape = self.contiguous(a), list(a.shape)
+        for d in sorted(dims, reverse=True):
+            outer, n, inner = math.prod(shape[:d]), shape[d], math.prod(shape[d + 1:])
+            shape[d] = 1
+            if n == 0 and op == self.lib.OPS_MAX:
+                raise ValueError(f"the max of an empty axis (axis {d} of {a.shape})")
+            reduced = self.zeros(tuple(shape)) if n == 0 else self.empty(tuple(shape))  # zeros: the sum of no values
+            if reduced.size and n:
+                self.check(self.lib.ops_reduce(self.context, reduced.ptr, out.ptr, _count(outer, "rows"),
+                                               _count(n, "values"), _count(inner, "columns"), op))
+            out = reduced
+        final = tuple(shape) if keepdim else tuple(m for d, m in enumerate(shape) if d not in dims)
+        return self.as_strided(out, final, layout.contiguous_strides(final), 0)
+
     def sum_to(self, g: DeviceArray, shape: tuple[int, ...]) -> DeviceArray:
-        """g summed over the broadcast axes: level 5's column sums (bias_backward) of g as (rows, size of shape)."""
-        if g.shape == tuple(shape):
+        """g summed over the broadcast axes: level 5's column sums (bias_backward) of g as (rows, size of shape) for a
+        bias, else the sum over the axes added in front and the axes of size 1 stretched."""
+        shape = tuple(shape)
+        if g.shape == shape:
             return g
-        rows = _trailing(g.shape, tuple(shape))
+        rows = _trailing(g.shape, shape)
         if rows is None:
-            raise NotImplementedError(f"the GPU backend sums a trailing shape (a bias) only, not {g.shape} to {shape}")
+            lead = len(g.shape) - len(shape)
+            stretched = tuple(lead + i for i, n in enumerate(shape) if n == 1 and g.shape[lead + i] != 1)
+            summed = self.sum(g, tuple(range(lead)) + stretched, keepdim=True)
+            return self.as_strided(summed, shape, layout.contiguous_strides(shape), 0)
         g, out = self.contiguous(g), self.empty(shape)
         self.check(self.lib.ops_bias_backward(self.context, out.ptr, g.ptr, _count(rows, "rows"),
                                               _count(out.size, "columns")))
         return out
 
-    # ---- element-wise ----
+    # ---- element-wise layers ----
 
     def _unary(self, function, h: DeviceArray) -> DeviceArray:
         h = self.contiguous(h)

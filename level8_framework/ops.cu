@@ -6,8 +6,9 @@
  * mlp.cu brings the cuBLAS products. Both levels define the MLP's product hooks (linear_forward, level_create, ...)
  * under the same names, so level 6's file is included inside a namespace of its own, cublas_level. Written here: the
  * kernels the networks of levels 5 and 6 never needed (sigmoid, MSE, the mean's backward, momentum, Adam, a transpose),
- * one general product (one cublasSgemm, level 6's layout rules) and the memory of tensors: a pool of the context's,
- * given and taken back in stream order, so that a tensor freed by Python never waits for the GPU.
+ * the strided copy that makes any view contiguous, MiniTorch's three kernels of every other operation (map, zip and
+ * reduce), one general product (one cublasSgemm, level 6's layout rules) and the memory of tensors: a pool of the
+ * context's, given and taken back in stream order, so that a tensor freed by Python never waits for the GPU.
  *
  * Each function checks its arguments, queues its work on the context's stream and returns a status; the layer
  * functions it calls check every launch and cuBLAS call (CUDA_CHECK, CUBLAS_CHECK).
@@ -223,17 +224,129 @@ int ops_transpose(ops *c, float *out, const float *x, int rows, int cols) {
     return MLP_OK;
 }
 
-/* ---- element-wise ---- */
+/* ---- views: storage, shape and strides ---- */
 
-__global__ void add_kernel(float *out, const float *a, const float *b, size_t n) {
-    const size_t i = thread_index();
-    if (i < n) out[i] = a[i] + b[i];
+/* A shape and two layouts of it, passed to the kernel by value (no device copy of the host arrays). */
+struct strided_layout {
+    int ndim;
+    int shape[OPS_MAX_DIMS], out_strides[OPS_MAX_DIMS], x_strides[OPS_MAX_DIMS];
+};
+
+/* One thread per value: its index [i0, i1, ...] from its row-major number, last axis first, then its position in
+ * each layout, index times strides (strides.py's index_to_position). */
+__global__ void strided_copy_kernel(float *out, const float *x, strided_layout l, size_t n) {
+    size_t i = thread_index();
+    if (i >= n) return;
+    long long to = 0, from = 0;
+    for (int d = l.ndim - 1; d >= 0; d--) {
+        const long long k = (long long)(i % (size_t)l.shape[d]);
+        i /= (size_t)l.shape[d];
+        to += k * l.out_strides[d];
+        from += k * l.x_strides[d];
+    }
+    out[to] = x[from];
 }
 
-int ops_add(ops *c, float *out, const float *a, const float *b, size_t n) {
+int ops_strided_copy(ops *c, float *out, const int *out_strides, const float *x, const int *x_strides,
+                     const int *shape, int ndim) {
+    CHECK_CONTEXT(c);
+    CHECK_POINTERS(out, out_strides, x, x_strides, shape);
+    if (ndim < 1 || ndim > OPS_MAX_DIMS)
+        return FAIL(MLP_ERR_ARG, "ndim must be in [1, %d], got %d", OPS_MAX_DIMS, ndim);
+    strided_layout l = {};
+    l.ndim = ndim;
+    size_t n = 1;
+    for (int d = 0; d < ndim; d++) {
+        if (shape[d] < 0 || out_strides[d] < 0 || x_strides[d] < 0)
+            return FAIL(MLP_ERR_ARG, "axis %d: size %d, strides %d and %d; none may be negative", d, shape[d],
+                        out_strides[d], x_strides[d]);
+        l.shape[d] = shape[d];
+        l.out_strides[d] = out_strides[d];
+        l.x_strides[d] = x_strides[d];
+        n *= (size_t)shape[d];
+    }
+    if (n == 0) return MLP_OK;
+    strided_copy_kernel<<<blocks_for(n), THREADS, 0, stream(c)>>>(out, x, l, n);
+    CUDA_CHECK(cudaGetLastError());
+    return MLP_OK;
+}
+
+/* ---- element-wise ---- */
+
+/* map: out = f(x), one thread per value. powf(v, 2) is v * v exactly, as PyTorch's x ** 2. */
+__global__ void map_kernel(float *out, const float *x, int f, float k, size_t n) {
+    const size_t i = thread_index();
+    if (i >= n) return;
+    const float v = x[i];
+    switch (f) {
+    case OPS_NEG: out[i] = -v; break;
+    case OPS_EXP: out[i] = expf(v); break;
+    case OPS_LOG: out[i] = logf(v); break;
+    case OPS_TANH: out[i] = tanhf(v); break;
+    default: out[i] = powf(v, k); break;
+    }
+}
+
+int ops_map(ops *c, float *out, const float *x, int f, float k, size_t n) {
+    CHECK_CONTEXT(c);
+    CHECK_POINTERS(out, x);
+    if (f < OPS_NEG || f > OPS_POW) return FAIL(MLP_ERR_ARG, "no function %d in ops_map", f);
+    map_kernel<<<blocks_for(n), THREADS, 0, stream(c)>>>(out, x, f, k, n);
+    CUDA_CHECK(cudaGetLastError());
+    return MLP_OK;
+}
+
+/* zip: out = a op b, one thread per value (a broadcast operand was made full-size by ops_strided_copy). */
+__global__ void zip_kernel(float *out, const float *a, const float *b, int op, size_t n) {
+    const size_t i = thread_index();
+    if (i >= n) return;
+    const float x = a[i], y = b[i];
+    switch (op) {
+    case OPS_ADD: out[i] = x + y; break;
+    case OPS_SUB: out[i] = x - y; break;
+    case OPS_MUL: out[i] = x * y; break;
+    case OPS_DIV: out[i] = x / y; break;
+    default: out[i] = x == y ? 1.0f : 0.0f; break;
+    }
+}
+
+int ops_zip(ops *c, float *out, const float *a, const float *b, int op, size_t n) {
     CHECK_CONTEXT(c);
     CHECK_POINTERS(out, a, b);
-    add_kernel<<<blocks_for(n), THREADS, 0, stream(c)>>>(out, a, b, n);
+    if (op < OPS_ADD || op > OPS_EQ) return FAIL(MLP_ERR_ARG, "no operation %d in ops_zip", op);
+    zip_kernel<<<blocks_for(n), THREADS, 0, stream(c)>>>(out, a, b, op, n);
+    CUDA_CHECK(cudaGetLastError());
+    return MLP_OK;
+}
+
+int ops_add(ops *c, float *out, const float *a, const float *b, size_t n) { return ops_zip(c, out, a, b, OPS_ADD, n); }
+
+/* reduce: one thread per output value, walking the n values of its column of x (outer, n, inner) in order. The sum
+ * runs in double (as level 5's mean); the max keeps a NaN once it meets one, as PyTorch's. */
+__global__ void reduce_kernel(float *out, const float *x, int outer, int n, int inner, int op) {
+    const size_t i = thread_index();
+    if (i >= (size_t)outer * inner) return;
+    const float *column = x + (i / inner) * (size_t)n * inner + i % inner;
+    if (op == OPS_SUM) {
+        double sum = 0.0;
+        for (int j = 0; j < n; j++) sum += column[(size_t)j * inner];
+        out[i] = (float)sum;
+        return;
+    }
+    float best = column[0];
+    for (int j = 1; j < n; j++) {
+        const float v = column[(size_t)j * inner];
+        if (v > best || v != v) best = v;
+    }
+    out[i] = best;
+}
+
+int ops_reduce(ops *c, float *out, const float *x, int outer, int n, int inner, int op) {
+    CHECK_CONTEXT(c);
+    CHECK_POINTERS(out, x);
+    CHECK_SIZES(outer, n, inner);
+    if (op != OPS_SUM && op != OPS_MAX) return FAIL(MLP_ERR_ARG, "no reduction %d in ops_reduce", op);
+    reduce_kernel<<<blocks_for((size_t)outer * inner), THREADS, 0, stream(c)>>>(out, x, outer, n, inner, op);
     CUDA_CHECK(cudaGetLastError());
     return MLP_OK;
 }

@@ -5,20 +5,25 @@ result with the kernels of the tensor's backend - NumPy on the CPU (cpu.py: leve
 (cuda.py: level 5's kernels and level 6's cuBLAS) - and records what the backward pass needs: its inputs, and a
 function from the gradient of its output to the gradients of its inputs. backward() sorts that graph, every tensor
 after the tensors it was computed from, and walks it from the loss back: level 2's autograd.py, on whole tensors
-instead of scalars. nn.py builds layers and losses from these operations, optim.py updates the parameters, and mlp.py
-and lenet.py write the course's two networks in a few lines each.
+instead of scalars. A tensor's values lie in a storage, read through its shape and strides (strides.py): transpose,
+permute, slicing, broadcasting and most reshapes are views, new strides over the same storage. nn.py builds layers and
+losses from these operations, optim.py updates the parameters, and mlp.py and lenet.py write the course's two networks
+in a few lines each.
 
 Run: `python -m common.harness.compare --levels 1,8` or `pytest -m level8`.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
+import operator
 from collections.abc import Callable
 from contextlib import contextmanager
 
 import numpy as np
 
-from level8_framework import cpu
+from level8_framework import cpu, strides
 
 DEVICES = ("cpu", "cuda")
 
@@ -60,8 +65,9 @@ class Node:
 
 
 class Tensor:
-    """float32 values in contiguous storage on a backend (CPU or GPU), and what autograd needs: requires_grad, the
-    gradient .grad after backward(), and the node of the operation that computed it (None for a leaf)."""
+    """float32 values on a backend (CPU or GPU), in a storage read through a shape and strides (strides.py), and what
+    autograd needs: requires_grad, the gradient .grad after backward(), and the node of the operation that computed it
+    (None for a leaf)."""
 
     __slots__ = ("data", "backend", "requires_grad", "grad", "node", "retains_grad", "__weakref__")
 
@@ -99,6 +105,20 @@ class Tensor:
         grad = f", grad_fn={self.node.backward.__qualname__.split('.')[0]}" if self.node and self.node.backward else ""
         requires = ", requires_grad=True" if self.requires_grad else ""
         return f"Tensor(shape={self.shape}, device={self.device!r}{requires}{grad})"
+
+    # ---- storage, shape and strides (strides.py) ----
+
+    def stride(self) -> tuple[int, ...]:
+        """How far apart in the storage two neighbours along each axis lie, in values (PyTorch's stride())."""
+        return self.backend.strides(self.data)
+
+    def storage_offset(self) -> int:
+        """Where the first value lies in the storage, in values."""
+        return self.backend.offset(self.data)
+
+    def is_contiguous(self) -> bool:
+        """Whether the values lie row-major in the storage without gaps, as a kernel reads them."""
+        return strides.is_contiguous(self.shape, self.stride())
 
     # ---- leaving the graph, the device ----
 
@@ -149,10 +169,7 @@ class Tensor:
             seed = self.backend.copy(gradient.data)
         run_backward(self, seed, retain_graph)
 
-    # ---- operations as methods and operators ----
-
-    def __matmul__(self, other: Tensor) -> Tensor:
-        return matmul(self, other)
+    # ---- operations as operators (a number on either side) and methods ----
 
     def __add__(self, other: Tensor | float) -> Tensor:
         return add(self, other)
@@ -160,12 +177,59 @@ class Tensor:
     def __radd__(self, other: float) -> Tensor:
         return add(self, other)
 
+    def __sub__(self, other: Tensor | float) -> Tensor:
+        return sub(self, other)
+
+    def __rsub__(self, other: float) -> Tensor:
+        return sub(other, self)
+
+    def __mul__(self, other: Tensor | float) -> Tensor:
+        return mul(self, other)
+
+    def __rmul__(self, other: float) -> Tensor:
+        return mul(other, self)
+
+    def __truediv__(self, other: Tensor | float) -> Tensor:
+        return div(self, other)
+
+    def __rtruediv__(self, other: float) -> Tensor:
+        return div(other, self)
+
+    def __neg__(self) -> Tensor:
+        return neg(self)
+
+    def __pow__(self, k: float) -> Tensor:
+        return pow(self, k)
+
+    def __matmul__(self, other: Tensor) -> Tensor:
+        return matmul(self, other)
+
+    def __getitem__(self, key) -> Tensor:
+        return index(self, key)
+
     @property
     def T(self) -> Tensor:
-        return transpose(self)
+        if self.ndim != 2:
+            raise ValueError(f".T transposes a 2-D tensor, got shape {self.shape}: use permute")
+        return transpose(self, 0, 1)
+
+    def transpose(self, dim0: int, dim1: int) -> Tensor:
+        return transpose(self, dim0, dim1)
+
+    def permute(self, *dims: int) -> Tensor:
+        return permute(self, *dims)
 
     def reshape(self, *shape) -> Tensor:
         return reshape(self, *shape)
+
+    def view(self, *shape) -> Tensor:
+        return view(self, *shape)
+
+    def expand(self, *shape) -> Tensor:
+        return expand(self, *shape)
+
+    def contiguous(self) -> Tensor:
+        return contiguous(self)
 
     def flatten(self, start_dim: int = 1) -> Tensor:
         return flatten(self, start_dim)
@@ -176,8 +240,26 @@ class Tensor:
     def sigmoid(self) -> Tensor:
         return sigmoid(self)
 
-    def mean(self) -> Tensor:
-        return mean(self)
+    def tanh(self) -> Tensor:
+        return tanh(self)
+
+    def exp(self) -> Tensor:
+        return exp(self)
+
+    def log(self) -> Tensor:
+        return log(self)
+
+    def sum(self, dim: int | tuple[int, ...] | None = None, keepdim: bool = False) -> Tensor:
+        return sum(self, dim, keepdim)
+
+    def mean(self, dim: int | tuple[int, ...] | None = None, keepdim: bool = False) -> Tensor:
+        return mean(self, dim, keepdim)
+
+    def max(self, dim: int | tuple[int, ...] | None = None, keepdim: bool = False) -> Tensor:
+        return max(self, dim, keepdim)
+
+    def log_softmax(self, dim: int = -1) -> Tensor:
+        return log_softmax(self, dim)
 
 
 class Parameter(Tensor):
@@ -218,6 +300,21 @@ def _result(data, backend, inputs: tuple[Tensor, ...], backward: Callable) -> Te
                 out.requires_grad, out.node = True, Node(inputs, backward)
                 break
     return out
+
+
+def _constant(value: float, backend) -> Tensor:
+    """A number as a tensor of one value (shape ()) on `backend`, out of the graph."""
+    return _new(backend.from_numpy(np.asarray(value, dtype=np.float32)), backend)
+
+
+def _operands(a: Tensor | float, b: Tensor | float) -> tuple[Tensor, Tensor]:
+    """The two operands of an arithmetic operator, a number on either side made a tensor of one value beside the
+    other's (broadcast like any tensor)."""
+    if isinstance(b, Tensor) and isinstance(a, numbers.Real):
+        a = _constant(a, b.backend)
+    if isinstance(a, Tensor) and isinstance(b, numbers.Real):
+        b = _constant(b, a.backend)
+    return a, b
 
 
 def _backend(*tensors: Tensor):
@@ -316,19 +413,132 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
     return _result(be.matmul(a_data, b_data), be, (a, b), backward)
 
 
-def transpose(x: Tensor) -> Tensor:
-    """x.T of a 2-D tensor: a view of the same memory, rows and columns swapped."""
-    if len(x.data.shape) != 2:
-        raise ValueError(f".T transposes a 2-D tensor, got shape {x.shape}")
+# ---- views: a new shape, strides and offset over the same storage (strides.py); nothing is copied ----
+
+
+def transpose(x: Tensor, dim0: int = 0, dim1: int = 1) -> Tensor:
+    """x with axes dim0 and dim1 swapped, a view: their sizes and strides trade places (x.T of a 2-D x). Backward: the
+    same swap of the gradient."""
+    dims = list(range(x.ndim))
+    first, second = _axis(dim0, x.ndim), _axis(dim1, x.ndim)
+    dims[first], dims[second] = second, first
     be = x.backend
-    return _result(be.transpose(x.data), be, (x,), lambda g: (be.transpose(g),))
+    return _result(_permuted(be, x.data, dims), be, (x,), lambda g: (_permuted(be, g, dims),))
 
 
-def add(a: Tensor, b: Tensor | float) -> Tensor:
+def permute(x: Tensor, *dims: int) -> Tensor:
+    """x's axes reordered, a view: axis d of the result is x's axis dims[d], with its size and stride. Backward: the
+    inverse reordering of the gradient."""
+    dims = tuple(_axis(d, x.ndim) for d in _sizes(dims))
+    strides.permute(x.shape, x.stride(), dims)  # each axis once, or why not
+    inverse = tuple(sorted(range(len(dims)), key=dims.__getitem__))
+    be = x.backend
+    return _result(_permuted(be, x.data, dims), be, (x,), lambda g: (_permuted(be, g, inverse),))
+
+
+def _permuted(be, data, dims) -> object:
+    """A view of backend array `data` with its axes in the order dims: its sizes and strides reordered
+    (strides.permute), by the backend."""
+    return be.permute(data, tuple(dims))
+
+
+def index(x: Tensor, key) -> Tensor:
+    """x[key], basic indexing, a view: ints pick a position and drop the axis, slices (steps > 0) keep it, the offset
+    moved to the first value picked and each stride times its step (strides.index). Backward: g written into the same
+    positions of a gradient of zeros."""
+    be, shape = x.backend, x.shape
+    picked = strides.index(shape, x.stride(), key)
+
+    def backward(g):
+        dx = be.zeros(shape)
+        be.copy_into(be.as_strided(dx, *strides.index(shape, strides.contiguous_strides(shape), key)), g)
+        return (dx,)
+
+    return _result(be.as_strided(x.data, *picked), be, (x,), backward)
+
+
+def expand(x: Tensor, *shape: int) -> Tensor:
+    """x repeated to `shape` (broadcasting, shapes lined up from the right), a view: stride 0 along every axis it is
+    repeated on, so each step there reads the same value. Backward: g summed over those axes (sum_to)."""
+    be, before, shape = x.backend, x.shape, _sizes(shape)
+    view_strides = strides.broadcast_strides(before, x.stride(), shape)
+    return _result(be.as_strided(x.data, shape, view_strides, 0), be, (x,), lambda g: (be.sum_to(g, before),))
+
+
+def reshape(x: Tensor, *shape: int) -> Tensor:
+    """The same values in another shape (one size may be -1: what is left), as PyTorch's reshape: a view where the
+    strides allow one (strides.view_strides), else a row-major copy."""
+    be, before = x.backend, x.shape
+    shape = strides.infer_shape(x.numel(), _sizes(shape))
+    return _result(_reshaped(be, x.data, shape), be, (x,), lambda g: (_reshaped(be, g, before),))
+
+
+def view(x: Tensor, *shape: int) -> Tensor:
+    """reshape that never copies, as PyTorch's view: refused where the strides allow no view."""
+    be, before = x.backend, x.shape
+    shape = strides.infer_shape(x.numel(), _sizes(shape))
+    view_strides = strides.view_strides(before, x.stride(), shape)
+    if view_strides is None:
+        raise RuntimeError(f"view {shape} of a tensor of shape {before} and strides {x.stride()}: its values, read "
+                           "in that shape, are not evenly spaced in the storage; reshape() copies them")
+    return _result(be.as_strided(x.data, shape, view_strides, 0), be, (x,), lambda g: (_reshaped(be, g, before),))
+
+
+def _reshaped(be, data, shape: tuple[int, ...]) -> object:
+    """Backend array `data` in another shape: a view where its strides allow one, else a row-major copy, viewed."""
+    view_strides = strides.view_strides(tuple(data.shape), be.strides(data), shape)
+    if view_strides is None:
+        data, view_strides = be.contiguous(data), strides.contiguous_strides(shape)
+    return be.as_strided(data, shape, view_strides, 0)
+
+
+def flatten(x: Tensor, start_dim: int = 1) -> Tensor:
+    """Every axis from start_dim on made one: (N, C, H, W) -> (N, C * H * W)."""
+    if not 0 <= start_dim < (x.ndim or 1):
+        raise ValueError(f"start_dim must be in [0, {x.ndim}), got {start_dim}")
+    return reshape(x, x.shape[:start_dim] + (-1,))
+
+
+def contiguous(x: Tensor) -> Tensor:
+    """x itself if its values lie row-major without gaps, else a row-major copy (a kernel that reads memory in order
+    needs one); the gradient passes through unchanged."""
+    if x.is_contiguous():
+        return x
+    be = x.backend
+    return _result(be.contiguous(x.data), be, (x,), lambda g: (g,))
+
+
+def _sizes(sizes: tuple) -> tuple[int, ...]:
+    """Sizes given one by one (x.reshape(2, 3)) or as one tuple (x.reshape((2, 3))), as ints."""
+    if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)):
+        sizes = sizes[0]
+    return tuple(operator.index(n) for n in sizes)
+
+
+def _axis(d: int, ndim: int) -> int:
+    """Axis d of ndim, counted from the end where negative (-1: the last)."""
+    if isinstance(d, bool) or not -ndim <= operator.index(d) < ndim:
+        raise IndexError(f"axis {d} is out of range for a tensor of {ndim} axes")
+    return operator.index(d) % ndim
+
+
+def _dims(dim: int | tuple[int, ...] | None, ndim: int) -> tuple[int, ...]:
+    """The axes a reduction runs over, sorted: dim (an axis or a tuple of them), or every axis for None."""
+    if dim is None:
+        return tuple(range(ndim))
+    dims = sorted(_axis(d, ndim) for d in (dim if isinstance(dim, tuple) else (dim,)))
+    if not dims or len(set(dims)) != len(dims):
+        raise ValueError(f"dim must name each axis once, got {dim}")
+    return tuple(dims)
+
+
+# ---- arithmetic, broadcast as NumPy does; a broadcast input's gradient is summed back to its shape (sum_to) ----
+
+
+def add(a: Tensor | float, b: Tensor | float) -> Tensor:
     """a + b, broadcast as NumPy does (a layer's bias: (B, n) + (n,)). Backward: a broadcast input was used once per
     copy, so its gradient is g summed over the axes it was broadcast along."""
-    if not isinstance(b, Tensor):
-        b = _new(a.backend.from_numpy(np.array(b, dtype=np.float32)), a.backend)
+    a, b = _operands(a, b)
     be = _backend(a, b)
     a_shape, b_shape = a.data.shape, b.data.shape
 
@@ -342,18 +552,87 @@ def add(a: Tensor, b: Tensor | float) -> Tensor:
     return _result(be.add(a.data, b.data), be, (a, b), backward)
 
 
-def reshape(x: Tensor, *shape) -> Tensor:
-    """The same values in another shape (one entry may be -1: what is left)."""
-    shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
-    be, before = x.backend, x.data.shape
-    return _result(be.reshape(x.data, shape), be, (x,), lambda g: (be.reshape(g, before),))
+def sub(a: Tensor | float, b: Tensor | float) -> Tensor:
+    """a - b, broadcast; d/da = g, d/db = -g, each summed back to its input's shape."""
+    a, b = _operands(a, b)
+    be = _backend(a, b)
+    a_shape, b_shape = a.data.shape, b.data.shape
+
+    def backward(g):
+        return (be.sum_to(g, a_shape) if a.requires_grad else None,
+                be.sum_to(be.neg(g), b_shape) if b.requires_grad else None)
+
+    return _result(be.sub(a.data, b.data), be, (a, b), backward)
 
 
-def flatten(x: Tensor, start_dim: int = 1) -> Tensor:
-    """Every axis from start_dim on made one: (N, C, H, W) -> (N, C * H * W)."""
-    if not 0 <= start_dim < max(x.ndim, 1):
-        raise ValueError(f"start_dim must be in [0, {x.ndim}), got {start_dim}")
-    return reshape(x, x.shape[:start_dim] + (-1,))
+def mul(a: Tensor | float, b: Tensor | float) -> Tensor:
+    """a * b, broadcast; d/da = g b, d/db = g a, each summed back to its input's shape."""
+    a, b = _operands(a, b)
+    be = _backend(a, b)
+    a_data, b_data = a.data, b.data
+
+    def backward(g):
+        return (be.sum_to(be.mul(g, b_data), a_data.shape) if a.requires_grad else None,
+                be.sum_to(be.mul(g, a_data), b_data.shape) if b.requires_grad else None)
+
+    return _result(be.mul(a_data, b_data), be, (a, b), backward)
+
+
+def div(a: Tensor | float, b: Tensor | float) -> Tensor:
+    """a / b, broadcast; d/da = g / b, d/db = -g (a / b) / b, PyTorch's order, from the output a / b."""
+    a, b = _operands(a, b)
+    be = _backend(a, b)
+    a_shape, b_data = a.data.shape, b.data
+    out = be.div(a.data, b_data)
+
+    def backward(g):
+        return (be.sum_to(be.div(g, b_data), a_shape) if a.requires_grad else None,
+                be.sum_to(be.mul(be.neg(g), be.div(out, b_data)), b_data.shape) if b.requires_grad else None)
+
+    return _result(out, be, (a, b), backward)
+
+
+def neg(x: Tensor) -> Tensor:
+    """-x; d/dx = -g."""
+    be = x.backend
+    return _result(be.neg(x.data), be, (x,), lambda g: (be.neg(g),))
+
+
+def pow(x: Tensor, k: float) -> Tensor:
+    """x ** k for a number k; d/dx = g k x^(k-1), PyTorch's (0 for k = 0, where x^-1 at x = 0 would give 0 inf)."""
+    if isinstance(k, (bool, Tensor)) or not isinstance(k, numbers.Real):
+        raise TypeError(f"x ** k takes a number k, got {type(k).__name__}")
+    be, h = x.backend, x.data
+
+    def backward(g):
+        if k == 0:
+            return (be.zeros(h.shape),)
+        return (be.mul(g, be.mul(_constant(k, be).data, be.pow(h, k - 1))),)
+
+    return _result(be.pow(h, k), be, (x,), backward)
+
+
+# ---- functions of each value ----
+
+
+def exp(x: Tensor) -> Tensor:
+    """e^x; d/dx = g e^x, from the output."""
+    be = x.backend
+    out = be.exp(x.data)
+    return _result(out, be, (x,), lambda g: (be.mul(g, out),))
+
+
+def log(x: Tensor) -> Tensor:
+    """The natural logarithm; d/dx = g / x."""
+    be, h = x.backend, x.data
+    return _result(be.log(h), be, (x,), lambda g: (be.div(g, h),))
+
+
+def tanh(x: Tensor) -> Tensor:
+    """t = tanh x; dt/dx = 1 - t^2, from the output (PyTorch's g (1 - t t))."""
+    be = x.backend
+    t = be.tanh(x.data)
+    return _result(t, be, (x,), lambda g: (be.mul(g, be.sub(_constant(1.0, be).data, be.mul(t, t))),))
 
 
 def relu(x: Tensor) -> Tensor:
@@ -369,10 +648,63 @@ def sigmoid(x: Tensor) -> Tensor:
     return _result(s, be, (x,), lambda g: (be.sigmoid_backward(g, s),))
 
 
-def mean(x: Tensor) -> Tensor:
-    """The mean of every value (one value); each input gets g / N."""
-    be, shape = x.backend, x.data.shape
-    return _result(be.mean(x.data), be, (x,), lambda g: (be.mean_backward(g, shape),))
+# ---- reductions over axes: dim an axis, a tuple of them or None (all); keepdim keeps them with size 1 ----
+
+
+def sum(x: Tensor, dim: int | tuple[int, ...] | None = None, keepdim: bool = False) -> Tensor:
+    """The sum over the axes dim. Backward: every value summed gets the gradient of its sum (_spread)."""
+    be, shape, dims = x.backend, x.shape, _dims(dim, x.ndim)
+    return _result(be.sum(x.data, dims, keepdim), be, (x,), lambda g: (_spread(be, g, shape, dims),))
+
+
+def mean(x: Tensor, dim: int | tuple[int, ...] | None = None, keepdim: bool = False) -> Tensor:
+    """The mean over the axes dim, the sum over N values divided by N; each value gets g / N."""
+    be, shape = x.backend, x.shape
+    if dim is None and not keepdim:  # of every value: level 3's np.mean, level 5's mean in double
+        return _result(be.mean(x.data), be, (x,), lambda g: (be.mean_backward(g, shape),))
+    dims = _dims(dim, x.ndim)
+    count = _constant(math.prod(shape[d] for d in dims), be).data
+    return _result(be.div(be.sum(x.data, dims, keepdim), count), be, (x,),
+                   lambda g: (_spread(be, be.div(g, count), shape, dims),))
+
+
+def max(x: Tensor, dim: int | tuple[int, ...] | None = None, keepdim: bool = False) -> Tensor:
+    """The largest value over the axes dim, as torch.amax (the values only). Backward: the gradient goes to the
+    largest values, split evenly where several tie (PyTorch's: g / count, times the mask of the maxima)."""
+    be, shape, dims, h = x.backend, x.shape, _dims(dim, x.ndim), x.data
+    out = be.amax(h, dims, keepdim)
+
+    def backward(g):
+        kept = _kept(shape, dims)
+        mask = be.eq(h, _reshaped(be, out, kept))
+        return (be.mul(be.div(_reshaped(be, g, kept), be.sum(mask, dims, True)), mask),)
+
+    return _result(out, be, (x,), backward)
+
+
+def _kept(shape: tuple[int, ...], dims: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of a reduction over dims with keepdim: size 1 on those axes."""
+    return tuple(1 if d in dims else n for d, n in enumerate(shape))
+
+
+def _spread(be, g, shape: tuple[int, ...], dims: tuple[int, ...]) -> object:
+    """g, the gradient of a reduction over dims of a tensor of `shape`, sent back to every value reduced: viewed with
+    size 1 on those axes, broadcast (stride 0) to `shape`, and copied row-major."""
+    kept = _kept(shape, dims)
+    g = _reshaped(be, g, kept)
+    return be.contiguous(be.as_strided(g, shape, strides.broadcast_strides(kept, be.strides(g), shape), 0))
+
+
+# ---- losses ----
+
+
+def log_softmax(x: Tensor, dim: int = -1) -> Tensor:
+    """log softmax along dim: x - max - log(sum(exp(x - max))), the max subtracted first so that any finite x stays
+    finite (PyTorch's order). Backward: g - softmax(x) sum(g), the sums along dim (PyTorch's)."""
+    be, d, h = x.backend, _axis(dim, x.ndim), x.data
+    shifted = be.sub(h, be.amax(h, (d,), True))
+    out = be.sub(shifted, be.log(be.sum(be.exp(shifted), (d,), True)))
+    return _result(out, be, (x,), lambda g: (be.sub(g, be.mul(be.exp(out), be.sum(g, (d,), True))),))
 
 
 def cross_entropy(logits: Tensor, target) -> Tensor:

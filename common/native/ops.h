@@ -4,10 +4,11 @@
  * which level8_framework/cuda.py uses.
  *
  * Unlike mlp.h and lenet.h, which hold a whole network, these are the framework's kernels, one call per operation:
- * every pointer below is device memory (but ops_upload's and ops_download's host side), row-major float32 (int for
- * labels and pool choices), of the shape its comment gives. Every call is queued on the context's one stream and
- * returns at once, but ops_download and ops_synchronize, which wait for the stream. Every function returns MLP_OK or
- * an error status (mlp.h's); mlp_last_error() says what failed, with the file and line. Nothing prints, nothing exits.
+ * every pointer below is device memory (but ops_upload's and ops_download's host side, and the shapes and strides of
+ * ops_strided_copy), row-major float32 (int for labels and pool choices), of the shape its comment gives. Every call is
+ * queued on the context's one stream and returns at once, but ops_download and ops_synchronize, which wait for the
+ * stream. Every function returns MLP_OK or an error status (mlp.h's); mlp_last_error() says what failed, with the file
+ * and line. Nothing prints, nothing exits.
  */
 #ifndef OPS_H
 #define OPS_H
@@ -59,9 +60,42 @@ int ops_linear_backward(ops *c, float *dx, float *dw, const float *dout, const f
 /* out (cols, rows) = x (rows, cols) transposed: a transposed view made contiguous. */
 int ops_transpose(ops *c, float *out, const float *x, int rows, int cols);
 
+/* ---- views: storage, shape and strides (level8_framework/strides.py) ---- */
+
+#define OPS_MAX_DIMS 8
+/* out = x, value by value, over a shape of ndim (<= OPS_MAX_DIMS) axes: value [i0, i1, ...] of x at
+ * x[i0 x_strides[0] + i1 x_strides[1] + ...], of out at out[i0 out_strides[0] + ...] (strides in values, 0 along a
+ * broadcast axis; each pointer at its first value). shape and both strides are host arrays. A view made contiguous
+ * (out_strides row-major), or a gradient written into a view (x row-major); out's positions must not repeat. */
+int ops_strided_copy(ops *c, float *out, const int *out_strides, const float *x, const int *x_strides,
+                     const int *shape, int ndim);
+
+/* ---- map, zip and reduce: the kernels of every other operation (level8_framework/tensor.py) ---- */
+
+#define OPS_NEG 0
+#define OPS_EXP 1
+#define OPS_LOG 2
+#define OPS_TANH 3
+#define OPS_POW 4
+/* out (n) = f(x (n)), f one of the above: -x, exp x, log x, tanh x, x^k (k is read by OPS_POW only). */
+int ops_map(ops *c, float *out, const float *x, int f, float k, size_t n);
+
+#define OPS_ADD 0
+#define OPS_SUB 1
+#define OPS_MUL 2
+#define OPS_DIV 3
+#define OPS_EQ 4
+/* out (n) = a (n) op b (n), op one of the above: +, -, *, /, and 1 where a == b else 0. */
+int ops_zip(ops *c, float *out, const float *a, const float *b, int op, size_t n);
+
+#define OPS_SUM 0
+#define OPS_MAX 1
+/* out (outer, inner) = the sum (in double) or the max of x (outer, n, inner) over its middle axis. */
+int ops_reduce(ops *c, float *out, const float *x, int outer, int n, int inner, int op);
+
 /* ---- element-wise ---- */
 
-/* out (n) = a (n) + b (n). */
+/* out (n) = a (n) + b (n): ops_zip's OPS_ADD. */
 int ops_add(ops *c, float *out, const float *a, const float *b, size_t n);
 /* Level 5's bias: out (rows, n) += b (n), in place; and its backward, the column sums db (n) = sum of dout's rows. */
 int ops_bias_forward(ops *c, float *out, const float *b, int rows, int n);

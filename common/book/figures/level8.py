@@ -1,5 +1,6 @@
-"""Level 8's figures: the graph a forward builds (drawn from the real graph), broadcasting and its backward, SGD and
-Adam's loss curves, and one training step's GPU work on a time line."""
+"""Level 8's figures: the graph a forward builds (drawn from the real graph), broadcasting and its backward, views of
+one storage (drawn from real tensors' shapes, strides and offsets), SGD and Adam's loss curves, and one training step's
+GPU work on a time line."""
 
 from __future__ import annotations
 
@@ -144,6 +145,50 @@ def broadcast(xw: np.ndarray, b: np.ndarray, g: np.ndarray, title: str):
     arrow(ax, (right - 0.1, row_y - cell / 2), (middle + width + 0.1, row_y - cell / 2), color=BACKWARD)
     ax.text(right + width + 0.4, top - rows * cell / 2, "backward: each entry of b was\nused once per row, so its "
             "\ngradient sums its column of g", fontsize=8.5, va="center", color=BACKWARD)
+    ax.set_title(title, fontsize=9.5)
+    return fig
+
+
+# ---- views: storage, shape and strides ----
+
+
+def views(storage: np.ndarray, layouts: list[tuple[str, tuple, tuple, int]], title: str):
+    """Views of one storage, each drawn from its shape, strides and offset alone: its values as a grid, cell [i, j]
+    read from storage[offset + i strides[0] + j strides[1]] (level8_framework/strides.py's index_to_position), and
+    beside it the storage, each cell it reads numbered in the view's row-major order (a cell read twice, through a
+    stride of 0, gets both numbers). layouts: (label, shape, strides, offset) of views of up to 2 axes."""
+    from level8_framework.strides import index_to_position
+
+    cell, gap, n = 0.6, 1.6, len(storage)
+    shapes = [(1,) * (2 - len(shape)) + tuple(shape) for _, shape, _, _ in layouts]
+    width = max(c for _, c in shapes) * cell
+    heights = [r * cell + 1.05 for r, _ in shapes]
+    fig, ax = plt.subplots(figsize=(10, 0.62 * sum(heights) + 0.8))
+    ax.set_xlim(-0.1, width + gap + n * cell + 0.1)
+    ax.set_ylim(-sum(heights) - 0.5, 0.1)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    top = 0.0
+    for (label, shape, steps, offset), (rows, cols), height in zip(layouts, shapes, heights):
+        steps = (0,) * (2 - len(steps)) + tuple(steps)
+        positions = [[index_to_position((r, c), steps, offset) for c in range(cols)] for r in range(rows)]
+        light = matplotlib.colors.to_rgba(FORWARD, 0.3)
+        ax.text(0, top - 0.05, f"{label}: shape {tuple(shape)}, strides {tuple(steps[2 - len(shape):])}, offset "
+                f"{offset}", fontsize=8.5, va="top")
+        grid(ax, 0, top - 0.55, rows, cols, cell=cell, colors=[[light] * cols] * rows,
+             text=[[f"{storage[p]:g}" for p in row] for row in positions], fontsize=8)
+        reads: dict[int, list[int]] = {}
+        for k, p in enumerate(p for row in positions for p in row):
+            reads.setdefault(p, []).append(k + 1)
+        left = width + gap
+        grid(ax, left, top - 0.55, 1, n, cell=cell, fontsize=8, text=[[f"{v:g}" for v in storage]],
+             colors=[[matplotlib.colors.to_rgba(HIGHLIGHT, 0.5) if p in reads else MUTED for p in range(n)]])
+        for p, order in reads.items():
+            ax.text(left + (p + 0.5) * cell, top - 0.55 - cell - 0.08, ",".join(map(str, order)), ha="center",
+                    va="top", fontsize=6.5, color=HIGHLIGHT)
+        top -= height
+    ax.text(width + gap, top, "right: the one storage, in memory order; under a cell, which of the view's values\n"
+            "(counted row by row) it holds", fontsize=8, color=MEMORY, va="top")
     ax.set_title(title, fontsize=9.5)
     return fig
 
