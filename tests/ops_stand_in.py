@@ -220,16 +220,21 @@ DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", marks=pytest.mark
            pytest.param("stand-in", id="cuda-stand-in")]
 
 
-@pytest.fixture(params=DEVICES)
-def device(request, monkeypatch) -> str:
-    """The device under test: "cpu", "cuda" (skipped, or with --require-gpu failed, where level 8 cannot run on a GPU)
-    or "cuda" over this stand-in (the GPU backend's Python side, on any machine)."""
+def device_under_test(request, monkeypatch, stand_in) -> str:
+    """The device of a `device` fixture: "cpu", "cuda" (skipped, or with --require-gpu failed, where level 8 cannot
+    run on a GPU) or "cuda" over a stand-in (`stand_in()`: the GPU backend's Python side, on any machine)."""
     from conftest import require
 
     if request.param == "stand-in":
         from level8_framework import cuda
 
-        monkeypatch.setattr(cuda, "_BACKEND", backend())
+        monkeypatch.setattr(cuda, "_BACKEND", stand_in())
         return "cuda"
     require(level(8), request.param, request.config)
     return request.param
+
+
+@pytest.fixture(params=DEVICES)
+def device(request, monkeypatch) -> str:
+    """The device under test, over this stand-in where it is the stand-in (device_under_test)."""
+    return device_under_test(request, monkeypatch, backend)

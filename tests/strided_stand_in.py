@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 import ops_stand_in
-from common.levels import level
 from common.native import ffi
 from ops_stand_in import view
 
@@ -73,14 +72,5 @@ def backend():
 
 @pytest.fixture(params=ops_stand_in.DEVICES)
 def device(request, monkeypatch) -> str:
-    """The device under test: "cpu", "cuda" (skipped, or with --require-gpu failed, where level 8 cannot run on a GPU)
-    or "cuda" over this stand-in (the GPU backend's Python side, on any machine)."""
-    from conftest import require
-
-    if request.param == "stand-in":
-        from level8_framework import cuda
-
-        monkeypatch.setattr(cuda, "_BACKEND", backend())
-        return "cuda"
-    require(level(8), request.param, request.config)
-    return request.param
+    """The device under test, over this stand-in where it is the stand-in (ops_stand_in.device_under_test)."""
+    return ops_stand_in.device_under_test(request, monkeypatch, backend)
