@@ -3,12 +3,18 @@
     python -m common.harness.bench [--tag h100] [--presets chapter,large-b256,lenet,lenet-b256]
     python -m common.harness.bench --presets none    # only the GPU profile (--no-profile: the presets only)
     python -m common.harness.bench --report          # only rewrite results/README.md's tables and results/speed.png
+    python -m common.harness.bench --quick           # every preset small, one round: a change checked in minutes
+    python -m common.harness.bench --resume          # a stopped run finished: the rounds already timed are kept
 
 Each preset is one run of the compare harness (common.harness.compare), so every level is checked against
 level 1 step by step before its time counts, and every row is timed ROUNDS times, in rounds over the rows (a row whose
 rounds disagree is flagged, not published); results go to results/<tag>/<preset>/. On a GPU it
 also profiles one epoch of every GPU implementation to split a step into kernel time and the rest
 (launch overhead and gaps between kernels), written to results/<tag>/profile.json.
+On a GPU machine the presets time the rows on the GPU (and level 1 on the CPU, the reference): the CPU levels' tables
+come from a CPU machine. The lockstep runs in one process per core (common/harness/parallel.py); each preset prints
+where its time went, and the bench each preset's total at the end. --quick writes to results/<tag>-quick/, which is
+not committed: its runs are too short to publish.
 The tables of results/README.md and the README's picture, results/speed.png, are written by this script from those
 files, never typed by hand.
 """
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import time
@@ -27,6 +34,7 @@ import numpy as np
 from common.contract import immutable
 from common.harness import compare
 from common.harness.data import load_mnist, normalize
+from common.harness.phases import Phases
 from common.levels import LEVELS, ROOT, THE_MLP, gpu_available, missing
 from common.nets import get
 from common.nets.mlp import init_params
@@ -40,6 +48,12 @@ PRESETS = {
                    "--epochs", "3"],
 }
 ROUNDS = 3  # each row timed three times: its median, its range, and a flag where they disagree
+# --quick: every preset on fewer images and epochs, one round (appended: the last of an option counts)
+QUICK = {"chapter": ["--train-size", "2000", "--epochs", "1"],
+         "large-b256": ["--train-size", "5120", "--epochs", "1"],
+         "lenet": ["--train-size", "1600", "--epochs", "1"],
+         "lenet-b256": ["--train-size", "1024", "--epochs", "1"]}
+QUICK_PROFILE_STEPS = 100
 GPU_ONLY = {"lenet-b256"}  # presets of GPU levels alone: left out where no GPU is
 RESULTS = ROOT / "results"
 TABLES = RESULTS / "README.md"  # its block of tables is written here; the README shows SPEED
@@ -51,12 +65,14 @@ BEGIN, END = "<!-- results:begin (written by python -m common.harness.bench --re
 PROFILE_SHAPES = ((8, 256), (256, 1024))
 
 
-def profile_gpu(steps: int = 400) -> list[dict]:
+def profile_gpu(steps: int = 400, clock: Phases | None = None) -> list[dict]:
     """Per step of each GPU implementation: wall time, time in GPU work (CUPTI via torch.profiler), the busiest kernels.
 
     Every wall time is taken before the first profile: once the profiler has run, PyTorch leaves NVIDIA's profiling
     library (CUPTI) attached, and every later launch of the process is slower."""
     import torch
+
+    clock = clock or Phases()
     from torch.profiler import ProfilerActivity, profile
 
     data = load_mnist(quiet=True)
@@ -69,15 +85,17 @@ def profile_gpu(steps: int = 400) -> list[dict]:
                                 compare.factory(lv, "cuda", **options))
                     for lv, device in compare.runs_for([lv.number for lv in LEVELS], gpu=True)
                     if device == "cuda" and not missing(lv, "cuda") for options in THE_MLP.variants(lv.number)]
-        for run in gpu_runs[:1] + compare.peer_runs("mlp") + gpu_runs[1:]:
-            model = run.factory(init_params(0, hidden))
-            model.train_epoch(X, y, batch, 0.01)  # warm-up and the one upload of the data set
-            start = time.perf_counter()
-            model.train_epoch(X, y, batch, 0.01)
-            shapes.append((run, model, X, y, batch, hidden, (time.perf_counter() - start) / steps))
+        for run in gpu_runs[:1] + compare.peer_runs(THE_MLP) + gpu_runs[1:]:
+            with clock(f"profile: {run.label} made, warmed up and timed"):
+                model = run.factory(init_params(0, hidden))
+                model.train_epoch(X, y, batch, 0.01)  # warm-up and the one upload of the data set
+                start = time.perf_counter()
+                model.train_epoch(X, y, batch, 0.01)
+                shapes.append((run, model, X, y, batch, hidden, (time.perf_counter() - start) / steps))
     rows = []
     for run, model, X, y, batch, hidden, wall in shapes:
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with clock("profile: every implementation under torch.profiler"), profile(
+                activities=[ProfilerActivity.CUDA]) as prof:
             model.train_epoch(X, y, batch, 0.01)
         on_gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]  # kernels, copies
         busy = Counter()
@@ -227,27 +245,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--levels", default=None, help="comma-separated level numbers (default: all this machine can run)")
     p.add_argument("--rounds", type=int, default=ROUNDS,
                    help="how many times each row is timed (common.harness.compare --rounds)")
+    p.add_argument("--jobs", type=int, default=None, help="processes for the lockstep (default: one per core)")
     p.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                    help="on a GPU, also profile each GPU implementation's step (results/<tag>/profile.json)")
+    p.add_argument("--quick", action="store_true", help="every preset small and timed once, into results/<tag>-quick/ "
+                   "(a developer's check of a change, not for publishing)")
+    p.add_argument("--resume", action="store_true", help="keep the rounds a stopped run already timed "
+                   "(common.harness.compare --resume), and time the rest")
     p.add_argument("--report", action="store_true", help="only rewrite results/README.md's tables and speed.png")
     args = p.parse_args(argv)
     if args.report:
         report()
         return 0
-    status = 0
     presets = args.presets.split(",") if args.presets else [p for p in PRESETS if gpu_available() or p not in GPU_ONLY]
     presets = [p for p in presets if p != "none"]
     if unknown := [p for p in presets if p not in PRESETS]:
         p.error(f"no preset {unknown[0]!r}: choose from {list(PRESETS)} or 'none'")
+    tag = args.tag + ("-quick" if args.quick else "")
+    status, clock, started = 0, Phases(), time.perf_counter()
     for preset in presets:
-        print(f"\n=== {preset} ===")
+        print(f"\n=== {preset} ===", flush=True)
         extra = ["--levels", args.levels] if args.levels else []
-        out = ROOT / "results" / args.tag / preset
-        status |= compare.main(PRESETS[preset] + extra + ["--rounds", str(args.rounds), "--out", str(out),
-                                                          "--quiet"])
+        extra += ["--jobs", str(args.jobs or os.cpu_count() or 1)] + (["--gpu-only"] if gpu_available() else [])
+        extra += (QUICK[preset] + ["--rounds", "1"] if args.quick else ["--rounds", str(args.rounds)])
+        extra += ["--resume"] if args.resume else []
+        with clock(preset):
+            status |= compare.main(PRESETS[preset] + extra + ["--out", str(RESULTS / tag / preset), "--quiet"])
     if args.profile and gpu_available():
-        print("\n=== where a GPU step's time goes ===")
-        (ROOT / "results" / args.tag / "profile.json").write_text(json.dumps(profile_gpu(), indent=1))
+        print("\n=== where a GPU step's time goes ===", flush=True)
+        profile = profile_gpu(QUICK_PROFILE_STEPS if args.quick else 400, clock)
+        (RESULTS / tag / "profile.json").write_text(json.dumps(profile, indent=1))
+    print("\n" + clock.table(time.perf_counter() - started, f"make bench: {time.perf_counter() - started:.0f} s",
+                              rest="the rest"))
     return status
 
 

@@ -23,14 +23,16 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
 from common.contract import immutable
-from common.harness import verify
+from common.harness import parallel, verify
 from common.harness.data import load_mnist, normalize
+from common.harness.phases import Phases
 from common.levels import LEVELS, ROOT, THE_MLP, Level, gpu_available, level, missing
 from common.nets import NETWORKS, Network, get, optimizers
 from common.nets.mlp import HIDDEN
@@ -42,6 +44,8 @@ WARM_UP = "one untimed epoch first (then the initial weights back), then each ep
 # slowest round at most this many times its fastest (each round's median epoch). A row past it is flagged
 # "unsteady" and its time and ratios are not published: one disturbed run must not set a number.
 STEADY_RATIO = 1.2
+PROGRESS = "progress.jsonl"  # the rounds timed so far, a line after each row's round, for --resume
+PARALLEL_FROM = 20_000  # level-steps (a level's step checked in lockstep) from which the lockstep runs in processes
 
 
 @dataclass
@@ -81,13 +85,33 @@ def runs_for(numbers: list[int], gpu: bool) -> list[tuple[Level, str]]:
     return pairs
 
 
-def factory(lv: Level, device: str, network: Network = THE_MLP, **options) -> Callable:
+@dataclass(frozen=True)
+class Factory:
+    """params -> a fresh model: a level's class for a network with its options (and its device, for the levels that
+    take one), or a peer's. Plain data, so that a worker process of the lockstep (common/harness/parallel.py) can
+    make its own."""
+
+    network: str
+    device: str
+    level: int = 0  # a level's number, or
+    peer: str = ""  # a peer's name (level1_pytorch/peers.py)
+    options: tuple[tuple[str, str], ...] = ()
+
+    def __call__(self, params):
+        from level1_pytorch.peers import peers
+
+        network = get(self.network)
+        if self.peer:
+            return peers(network)[self.peer](params)
+        lv = level(self.level)
+        device = {"device": self.device} if lv.takes_device else {}
+        return lv.load(network)(params, **device, **dict(self.options))
+
+
+def factory(lv: Level, device: str, network: Network = THE_MLP, **options) -> Factory:
     """params -> a fresh model of the level for a network, given every option (a convolution, a matrix product); the
     levels that run on either device (1, 8) also take their device (the others have one)."""
-    cls = lv.load(network)
-    if lv.takes_device:
-        return lambda params: cls(params, device=device, **options)
-    return lambda params: cls(params, **options)
+    return Factory(network.name, device, level=lv.number, options=tuple(options.items()))
 
 
 def row_label(lv: Level, device: str, options: dict[str, str]) -> str:
@@ -107,7 +131,8 @@ def peer_runs(network: Network) -> list[Run]:
     verified like the levels."""
     from level1_pytorch.peers import peers
 
-    return [Run(f"{name}[cuda]", 1, "cuda", cls, {"device": "cuda"}) for name, cls in peers(network).items()]
+    return [Run(f"{name}[cuda]", 1, "cuda", Factory(network.name, "cuda", peer=name), {"device": "cuda"})
+            for name in peers(network)]
 
 
 def missing_peers(network: Network) -> dict[str, str]:
@@ -124,7 +149,7 @@ def epoch_order(n: int, epoch: int, seed: int, shuffle: bool) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(n).astype(np.int32)
 
 
-def train(model, run: Run, params, X, y, X_test, y_test, orders, args, quiet: bool) -> Run:
+def train(model, run: Run, params, X, y, X_test, y_test, orders, args, quiet: bool, clock: Phases) -> Run:
     """The free run: args.epochs epochs, each timed on its own; stops after an epoch whose loss is not finite.
 
     First one untimed epoch, then the initial parameters back: the CUDA context, library handles, the upload,
@@ -132,12 +157,14 @@ def train(model, run: Run, params, X, y, X_test, y_test, orders, args, quiet: bo
     a warm one. The first call for a run keeps its losses and predictions (the run that is verified); a later call,
     a later round, adds its time only."""
     first = not run.rounds
-    model.train_epoch(X, y, args.batch, args.lr, orders[0])
-    model.load_state_dict(params)
+    with clock(f"{run.label}: warm-up epoch"):
+        model.train_epoch(X, y, args.batch, args.lr, orders[0])
+        model.load_state_dict(params)
     run.ran = model.variant()
     if why := mismatch(run.asked, run.ran):  # never time one thing under another's name
         run.failure = f"ran something else than its row says: {why}"
     seconds = []
+    timed = time.perf_counter()
     for order in tqdm(orders, desc=run.label, disable=quiet, leave=False):
         start = time.perf_counter()
         losses = model.train_epoch(X, y, args.batch, args.lr, order)  # returns host memory: the GPU is done
@@ -147,28 +174,48 @@ def train(model, run: Run, params, X, y, X_test, y_test, orders, args, quiet: bo
         if not np.isfinite(losses).all():
             break
     run.rounds.append(float(np.median(seconds)))
+    clock.add(f"{run.label}: timed epochs", time.perf_counter() - timed)
     if first:
         run.epoch_seconds = seconds
-        run.predictions = model.forward(X_test).argmax(axis=1)
+        with clock(f"{run.label}: the test set"):
+            run.predictions = model.forward(X_test).argmax(axis=1)
         run.test_accuracy = float((run.predictions == y_test).mean())
     return run
 
 
-def verify_runs(runs: list[Run], twin: Run, params, X, y, y_test, orders, args, quiet: bool) -> None:
-    """Set each run's verdict: diverged, or lockstep and free run against level 1 (runs[0])."""
-    reference = runs[0]
+def verify_runs(runs: list[Run], params, X, y, X_test, y_test, orders, args, quiet: bool, clock: Phases,
+                workers: Phases) -> Run:
+    """Set each run's verdict: diverged, or lockstep and free run against level 1 (runs[0]). Returns level 1's float64
+    twin's run, the yardstick of the free runs, made beside the lockstep where it runs in --jobs processes (whose time
+    by level `workers` gets)."""
+    reference, network, optimizer = runs[0], args.network, args.optimizer
+    twin_options = {"dtype": "float64", **optimizer.options}
+    twin = Run("level1[cpu, float64]", 1, "cpu", factory(level(1), "cpu", network, **twin_options),
+               {"device": "cpu", **twin_options})
     for run in runs:
         if (why := verify.divergence(run.losses, args.lr, X)) is not None:
             run.failure = run.failure or why
-    if reference.failure:
-        for run in runs[1:]:
-            run.failure = run.failure or f"not verified: the reference {reference.label} {reference.failure}"
-        return
-    noise = verify.free_run_noise(reference.losses, twin.losses, reference.predictions, twin.predictions, args.epochs)
     checked = [run for run in runs[1:] if not run.failure]
-    models = {run.label: run.factory(params) for run in checked}
-    records, reference_diverged = verify.lockstep(models, params, X, y, orders, args.batch, args.lr, quiet,
-                                                  args.network, args.optimizer)
+    if args.jobs > 1 and checked and not reference.failure:
+        data = TrainingData(args.train_size, args.repeat)
+        records, reference_diverged, twin = parallel.lockstep(
+            {run.label: run.factory for run in checked}, params, data, orders, args.batch, args.lr, args.jobs,
+            network, optimizer, clock, workers, partial(twin_run, twin, params, data, orders, args.batch, args.lr))
+    else:
+        with clock(f"{twin.label}: made"):
+            model = twin.factory(params)
+        twin = train(model, twin, params, X, y, X_test, y_test, orders, args, quiet, clock)
+        if reference.failure:
+            for run in runs[1:]:
+                run.failure = run.failure or f"not verified: the reference {reference.label} {reference.failure}"
+            return twin
+        steps = Phases()
+        with clock("lockstep: the models made"):
+            models = {run.label: run.factory(params) for run in checked}
+        records, reference_diverged = verify.lockstep(models, params, X, y, orders, args.batch, args.lr, quiet,
+                                                      network, optimizer, steps)
+        clock.merge(steps.seconds, "lockstep: ")
+    noise = verify.free_run_noise(reference.losses, twin.losses, reference.predictions, twin.predictions, args.epochs)
     for run in checked:
         record = records[run.label]
         run.lockstep = {**record.summary(), "record": record}
@@ -181,6 +228,7 @@ def verify_runs(runs: list[Run], twin: Run, params, X, y, y_test, orders, args, 
             run.failure = f"lockstep: {record.failure}"
         elif free.failure:
             run.failure = f"free run: {free.failure}"
+    return twin
 
 
 def machine() -> dict[str, str]:
@@ -336,6 +384,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=ROOT / "results" / "local", help="folder for results.json and plots")
     p.add_argument("--quiet", action="store_true", help="no progress bars (also when not on a terminal or in CI)")
     p.add_argument("--no-peers", action="store_true", help="on a GPU, leave out the peers (level1_pytorch/peers.py)")
+    p.add_argument("--gpu-only", action="store_true", help="the rows on the GPU only, and level 1 on the CPU, the "
+                   "reference (make bench on a GPU machine: the CPU levels are timed on a CPU machine)")
+    p.add_argument("--resume", action="store_true", help="take the rounds already timed from the output folder's "
+                   f"{PROGRESS} (a run of the same settings that was stopped), and time the rest")
+    p.add_argument("--jobs", type=int, default=None, help="processes for the lockstep (default: one for a run of "
+                   f"fewer than {PARALLEL_FROM:,} level-steps, else one per core)")
     p.add_argument("--rounds", type=int, default=1, help="time every row this many times, in rounds over the rows "
                    f"(make bench: 3); a row whose rounds differ by more than {STEADY_RATIO}x is flagged, not published")
     args = p.parse_args(argv)
@@ -358,8 +412,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--hidden sizes the MLP; {network.title} has fixed sizes")
     if 1 not in args.levels:
         p.error("level 1 is the gold standard every level is checked against: include it in --levels")
-    for name in ("epochs", "train_size", "batch", "hidden", "rounds"):
-        if getattr(args, name) < 1:
+    for name in ("epochs", "train_size", "batch", "hidden", "rounds", "jobs"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.seed < 0:
         p.error(f"--seed must be >= 0 (NumPy's seeds are), got {args.seed}")
@@ -374,35 +428,108 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def training_set(data, args) -> tuple[np.ndarray, np.ndarray, int]:
+def training_set(data, args, notes: bool = True) -> tuple[np.ndarray, np.ndarray, int]:
     """X, y of the first --train-size images (repeated with --repeat when the set is smaller), and N."""
     images, labels = data.train_images, data.train_labels
     if args.train_size > len(images) and args.repeat:
         copies = -(-args.train_size // len(images))
-        print(f"NOTE: this data set has {len(images):,} training images: repeating them {copies} times (--repeat)")
+        if notes:
+            print(f"NOTE: this data set has {len(images):,} training images: repeating them {copies} times (--repeat)")
         # immutable like the originals (common/contract), so that a level uploads the data set once, not per epoch
         labels = immutable(np.tile(labels, copies))
         images = np.tile(images, (copies, 1))
     n = min(args.train_size, len(images))
-    if n < args.train_size:
+    if n < args.train_size and notes:
         print(f"NOTE: asked for {args.train_size:,} training images, this data set has {n:,}: training on {n:,}")
     return normalize(images[:n]), labels[:n], n
 
 
-def main(argv: list[str] | None = None) -> int:
-    started = time.perf_counter()
-    args = parse_args(argv)
-    quiet = args.quiet or bool(os.environ.get("CI")) or not sys.stderr.isatty()
-    data = load_mnist(quiet=quiet)
-    print(f"data: {data.source}")
-    X, y, n = training_set(data, args)
-    X_test, y_test = normalize(data.test_images), data.test_labels
-    network, optimizer = args.network, args.optimizer
-    params = network.network.init_params(args.seed, args.hidden)
-    orders = [epoch_order(n, epoch, args.seed, args.shuffle) for epoch in range(args.epochs)]
+@dataclass(frozen=True)
+class TrainingData:
+    """() -> (X, y): the run's training set (training_set), read again from the data set's cache: a worker process's
+    own copy, instead of the arrays sent to every worker."""
 
+    train_size: int
+    repeat: bool
+
+    def __call__(self) -> tuple[np.ndarray, np.ndarray]:
+        X, y, _ = training_set(load_mnist(quiet=True), self, notes=False)
+        return X, y
+
+
+def twin_run(twin: Run, params, data: TrainingData, orders, batch: int, lr: float) -> Run:
+    """Level 1's float64 twin's free run (train, untimed), in a worker process beside the lockstep."""
+    X, y = data()
+    test = load_mnist(quiet=True)
+    return train(twin.factory(params), twin, params, X, y, normalize(test.test_images), test.test_labels, orders,
+                 argparse.Namespace(batch=batch, lr=lr), True, Phases())
+
+
+def run_settings(args) -> dict:
+    """The settings a run's numbers depend on, as results.json records them."""
+    settings = {k: v for k, v in vars(args).items() if k not in ("out", "quiet", "no_peers", "network", "resume")}
+    settings["optimizer"] = args.optimizer.name
+    if not args.network.has_hidden:
+        del settings["hidden"]
+    return settings
+
+
+class Progress:
+    """The rounds timed so far, in a journal of one line per row's round: a run that is stopped keeps what it
+    measured, and --resume times only the rest, on the same settings, data and GPU (`key`)."""
+
+    KEPT = ("ran", "losses", "epoch_seconds", "test_accuracy", "failure")  # a row's first round: its free run
+
+    def __init__(self, path: Path, key: dict):
+        self.path, self.key = path, {k: v for k, v in key.items() if k != "jobs"}
+
+    def start(self) -> None:
+        """A new journal: its first line, the key."""
+        self.path.write_text(json.dumps({"key": self.key}) + "\n")
+
+    def save(self, run: Run) -> None:
+        """A line for the round a row has just timed (with its free run, where it is the first)."""
+        line = {"label": run.label, "round": run.rounds[-1]}
+        if len(run.rounds) == 1:
+            line |= {k: getattr(run, k) for k in self.KEPT} | {"predictions": run.predictions.tolist()}
+        with self.path.open("a") as journal:
+            journal.write(json.dumps(line) + "\n")
+
+    def restore(self, runs: list[Run]) -> None:
+        """Each run's rounds from the journal, where its key matches (else a new journal); says what it took."""
+        lines = self.path.read_text().splitlines() if self.path.exists() else []
+        if not lines or json.loads(lines[0]).get("key") != self.key:
+            print(f"--resume: no journal of these settings, data and GPU in {self.path}: every row is timed")
+            self.start()
+            return
+        by_label = {run.label: run for run in runs}
+        for line in map(json.loads, lines[1:]):
+            if (run := by_label.get(line["label"])) is None:
+                continue
+            if "losses" in line:
+                for k in self.KEPT:
+                    setattr(run, k, line[k])
+                run.predictions = np.asarray(line["predictions"])
+            run.rounds.append(line["round"])
+        print(f"--resume: {sum(len(run.rounds) for run in runs)} rounds of {len(runs)} rows taken from {self.path}")
+
+
+def row_time(run: Run, steps_per_epoch: int) -> str:
+    """A row's time per step, as the table will show it (median of its rounds, their range), or why not."""
+    low, high = (1e6 * t / steps_per_epoch for t in (min(run.rounds), max(run.rounds)))
+    if not steady(run):
+        return f"unsteady, {low:.1f}-{high:.1f} us/step"
+    return f"{1e6 * float(np.median(run.rounds)) / steps_per_epoch:.1f} us/step ({low:.1f}-{high:.1f})"
+
+
+def rows_to_run(args) -> tuple[list[Run], dict[str, str]]:
+    """The runs of the table: every level this machine can run for the network and optimizer, in each variant, and on
+    a GPU the peers; and the peers not run, with why. Says what it skips, and why."""
+    network, optimizer = args.network, args.optimizer
     runs: list[Run] = []
     for lv, device in runs_for(args.levels, gpu_available()):
+        if args.gpu_only and device != "cuda" and lv.number != 1:
+            continue
         if why := missing(lv, device, network, optimizer):
             print(f"skipping {lv.name} ({lv.title}): {'; '.join(why)}")
             continue
@@ -418,19 +545,48 @@ def main(argv: list[str] | None = None) -> int:
         runs += [run for run in peer_runs(network) if run.label.split("[")[0] not in absent]
         for name, why in absent.items():
             print(f"skipping the peer {name}: {why}")
+    return runs, absent
+
+
+def main(argv: list[str] | None = None) -> int:
+    started, clock = time.perf_counter(), Phases()
+    args = parse_args(argv)
+    quiet = args.quiet or bool(os.environ.get("CI")) or not sys.stderr.isatty()
+    with clock("data"):
+        data = load_mnist(quiet=quiet)
+        print(f"data: {data.source}")
+        X, y, n = training_set(data, args)
+        X_test, y_test = normalize(data.test_images), data.test_labels
+    network, optimizer = args.network, args.optimizer
+    params = network.network.init_params(args.seed, args.hidden)
+    orders = [epoch_order(n, epoch, args.seed, args.shuffle) for epoch in range(args.epochs)]
+
+    with clock("the rows found (levels, peers)"):
+        runs, absent = rows_to_run(args)
     if not runs or runs[0].label != REFERENCE:
         raise SystemExit(f"{REFERENCE} must run: it is the reference every level is checked against")
-    for _ in range(args.rounds):  # a disturbance of the machine lands in one round of several rows
+    if args.jobs is None:  # worker processes cost seconds to start: worth it for a long lockstep only
+        level_steps = (len(runs) - 1) * args.epochs * -(-n // args.batch)
+        args.jobs = 1 if level_steps < PARALLEL_FROM else os.cpu_count() or 1
+    measured_on = machine()
+    progress = Progress(args.out / PROGRESS, {**run_settings(args), "data": data.source, "gpu": measured_on.get("gpu")})
+    progress.restore(runs) if args.resume else progress.start()
+    for round_ in range(args.rounds):  # a disturbance of the machine lands in one round of several rows
         for run in runs:
-            train(run.factory(params), run, params, X, y, X_test, y_test, orders, args, quiet)
-    twin_options = {"dtype": "float64", **optimizer.options}
-    twin = train(factory(level(1), "cpu", network, **twin_options)(params),
-                 Run("level1[cpu, float64]", 1, "cpu", None, {"device": "cpu", **twin_options}),
-                 params, X, y, X_test, y_test, orders, args, quiet)
-    verify_runs(runs, twin, params, X, y, y_test, orders, args, quiet)
+            if len(run.rounds) > round_:  # timed before the run was stopped (--resume)
+                continue
+            with clock(f"{run.label}: made"):
+                model = run.factory(params)
+            train(model, run, params, X, y, X_test, y_test, orders, args, quiet, clock)
+            progress.save(run)
+            if len(run.rounds) == args.rounds:
+                print(f"{run.label}: {row_time(run, -(-n // args.batch))}; its check comes after the last row's")
+    workers = Phases()
+    twin = verify_runs(runs, params, X, y, X_test, y_test, orders, args, quiet, clock, workers)
 
     steps_per_epoch = -(-n // args.batch)
-    rows = summarize(runs, args, steps_per_epoch)
+    with clock("the table"):
+        rows = summarize(runs, args, steps_per_epoch)
     print(
         f"\n{network.title}: {n:,} images x {args.epochs} epochs, batch {args.batch}{size_note(args)}, "
         f"{optimizer_note(optimizer)}lr {args.lr}, seed {args.seed}"
@@ -439,14 +595,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(timing_rule(args.rounds) + "\n")
     print_table(rows)
-    settings = {k: v for k, v in vars(args).items() if k not in ("out", "quiet", "no_peers", "network")}
-    settings["train_size"], settings["optimizer"] = n, optimizer.name
-    if not network.has_hidden:
-        del settings["hidden"]
+    settings = run_settings(args)
+    settings["train_size"] = n
     results = {
         "settings": settings,
         "data": data.source,
-        "machine": machine(),
+        "machine": measured_on,
         "rules": {"yardstick": verify.YARDSTICK, "loss_rtol": verify.LOSS_RTOL, "loss_atol": verify.LOSS_ATOL,
                   "free_k": verify.FREE_K, "free_floor": verify.FREE_FLOOR, "accuracy_floor_images": verify.ACC_FLOOR},
         "timing": WARM_UP,
@@ -455,11 +609,19 @@ def main(argv: list[str] | None = None) -> int:
         "peers_not_run": absent,
         "runs": [_for_json(run) for run in runs + [twin]],
         "elapsed_s": time.perf_counter() - started,  # the whole job: data, training, every check
+        "phases": clock.seconds,  # ... and where that time went
+        "lockstep_workers": workers.seconds,  # each level's lockstep, its time summed over the --jobs processes
     }
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
-    plot(runs, twin, args.out, f"{network.title}, {n:,} images, batch {args.batch}{size_note(args)}"
-         f"{', ' + optimizer.title if optimizer.options else ''}", args.epochs)
+    progress.path.unlink(missing_ok=True)
+    with clock("plots"):
+        plot(runs, twin, args.out, f"{network.title}, {n:,} images, batch {args.batch}{size_note(args)}"
+             f"{', ' + optimizer.title if optimizer.options else ''}", args.epochs)
     print(f"\nwrote {args.out / 'results.json'}, loss_curves.png and lockstep.png")
+    print("\n" + clock.table(time.perf_counter() - started))
+    if workers.seconds:
+        print("\n" + workers.table(sum(workers.seconds.values()), f"the lockstep, summed over {args.jobs} processes",
+                                   rest=""))
     for run in runs:
         record = run.lockstep and run.lockstep["record"]
         for tie in (record.ties if record else [])[:5]:

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from common.harness.phases import Phases
 from common.levels import THE_MLP, level
 from common.nets import Network
 from common.nets.mlp import N_IN, PARAM_NAMES
@@ -514,14 +515,18 @@ class Step:
     own: dict[str, float]  # level 1's distance from them, per tensor
     size: dict[str, float]  # the size of level 1's update, per tensor
     allowed: dict[str, float]  # how far a level's result may be from `expected`, per tensor
+    params: dict[str, np.ndarray]  # level 1's parameters before it, as every level is loaded with them
+    state: dict | None  # ... and its optimizer's state (Adam's), or None
+    steps: dict[str, int]  # its optimizer's step counts after it
 
 
 class Lockstep:
     """Steps level 1 one batch at a time and, from its parameters before each step, every level under test."""
 
     def __init__(self, reference, models: dict, X: np.ndarray, y: np.ndarray, lr: float, float64_step=MlpStep,
-                 optimizer: Optimizer = SGD):
+                 optimizer: Optimizer = SGD, clock: Phases | None = None):
         self.reference, self.models, self.X, self.y = reference, models, X, y
+        self.clock = clock or Phases()  # the wall time of level 1's and the float64 step, and of each level's
         self.lr = float(np.float32(lr))  # the float32 learning rate every level steps with (contract.check_training)
         self.float64_step = float64_step  # the network's: (params, x, y, lr, optimizer, state) -> MlpStep or the like
         self.optimizer = optimizer
@@ -532,10 +537,22 @@ class Lockstep:
 
     def step(self, batch: np.ndarray) -> None:
         """One step on rows `batch` of X: level 1's, the exact one, then each level's from the same parameters."""
-        k, X, y, lr = self.steps, self.X, self.y, self.lr
+        k = self.steps
         self.steps += 1
         if self.reference_diverged:
             return
+        with self.clock("level 1 and the float64 step"):
+            step = self._reference_step(k, batch)
+        if step is None:
+            return
+        for label, model in self.models.items():
+            if not self.records[label].failure:
+                with self.clock(label):
+                    self._level_step(label, model, step)
+
+    def _reference_step(self, k: int, batch: np.ndarray) -> Step | None:
+        """Level 1's step k and the float64 one, and what every level's is compared with; None where level 1 diverged."""
+        X, y, lr = self.X, self.y, self.lr
         params = self.reference.state_dict()
         state = self.reference.optimizer_state() if self.optimizer.state else None  # Adam's, before the step
         exact = self.float64_step(params, X[batch], y[batch], lr, self.optimizer, state)
@@ -544,30 +561,30 @@ class Lockstep:
         after, steps = self._checked(self.reference)
         if not (np.isfinite(loss) and all(np.isfinite(v).all() for v in after.values())):
             self.reference_diverged = f"level 1 itself diverged at lockstep step {k}"
-            return
+            return None
         expected = exact.take_reference(after, observed)  # where level 1 went the other way at a tie, so does it
         names, before = self.names, {**params, **self._moments(state or {}, params)}
         own = {n: _norm(after[n] - expected[n]) for n in names}  # level 1's own distance
         size = {n: _norm(after[n] - before[n]) for n in names}
         allowed = {n: YARDSTICK * own[n] + 2 * U * _norm(expected[n]) + FLOOR * U * size[n] for n in names}
-        step = Step(k, batch, names, before, after, loss, exact, expected, own, size, allowed)
-        for label, model in self.models.items():
-            record = self.records[label]
-            if record.failure:
-                continue
-            model.load_state_dict(params)
-            if self.optimizer.state:
-                model.load_optimizer_state(state)
-            observed = exact.observe(model)
-            got_loss = float(model.train_epoch(X, y, len(batch), lr, batch)[0])
-            got, got_steps = self._checked(model)
-            if not (np.isfinite(got_loss) and all(np.isfinite(v).all() for v in got.values())):
-                record.failure = f"step {k}: non-finite loss or parameters from level 1's finite ones: a bug, not the data"
-                continue
-            if got_steps != steps:  # an integer: exactly
-                record.failure = (f"step {k}: {self.optimizer.title}'s step counts are {got_steps}, level 1's {steps}: "
-                                  "the state loaded before the step was not the one it stepped from")
-                continue
+        return Step(k, batch, names, before, after, loss, exact, expected, own, size, allowed, params, state, steps)
+
+    def _level_step(self, label: str, model, step: Step) -> None:
+        """One level's step from level 1's parameters (and optimizer state) before step k, checked against it."""
+        record, X, y, lr, k = self.records[label], self.X, self.y, self.lr, step.k
+        params, state, steps, batch = step.params, step.state, step.steps, step.batch
+        model.load_state_dict(params)
+        if self.optimizer.state:
+            model.load_optimizer_state(state)
+        observed = step.exact.observe(model)
+        got_loss = float(model.train_epoch(X, y, len(batch), lr, batch)[0])
+        got, got_steps = self._checked(model)
+        if not (np.isfinite(got_loss) and all(np.isfinite(v).all() for v in got.values())):
+            record.failure = f"step {k}: non-finite loss or parameters from level 1's finite ones: a bug, not the data"
+        elif got_steps != steps:  # an integer: exactly
+            record.failure = (f"step {k}: {self.optimizer.title}'s step counts are {got_steps}, level 1's {steps}: "
+                              "the state loaded before the step was not the one it stepped from")
+        else:
             self._compare(record, step, got_loss, got, observed)
 
     def _checked(self, model) -> tuple[dict[str, np.ndarray], dict[str, int]]:
@@ -629,13 +646,14 @@ def torch_threads(n: int):
 
 
 def lockstep(models: dict, params, X, y, orders: list[np.ndarray], batch: int, lr: float, quiet: bool = True,
-             network: Network = THE_MLP, optimizer: Optimizer = SGD) -> tuple[dict[str, LockstepRecord], str | None]:
+             network: Network = THE_MLP, optimizer: Optimizer = SGD,
+             clock: Phases | None = None) -> tuple[dict[str, LockstepRecord], str | None]:
     """Every step of the run (the batches of `orders`, epoch by epoch) in lockstep with level 1 on the CPU, for a
     network of common/nets and an optimizer of its list (the models train with it). Returns each model's record and,
-    if level 1 itself diverged, why.
+    if level 1 itself diverged, why; `clock` gets the time of level 1's and the float64 step, and of each model's.
     """
     reference = level(1).load(network)(params, device="cpu", **optimizer.options)
-    run = Lockstep(reference, models, X, y, lr, network.float64_step(), optimizer)
+    run = Lockstep(reference, models, X, y, lr, network.float64_step(), optimizer, clock)
     batches = [order[start : start + batch] for order in orders for start in range(0, len(order), batch)]
     with torch_threads(1):
         for b in tqdm(batches, desc="lockstep", disable=quiet, leave=False):

@@ -1,0 +1,170 @@
+"""The lockstep of common/harness/verify.py split over worker processes by steps: every step checked as in one
+process, in a fraction of the wall time.
+
+    records, diverged, _ = lockstep(factories, params, data, orders, batch, lr, jobs=16, network=get("mlp"))
+
+One process checks step k of every level after level 1's step k-1, so the run is as long as all the steps of all the
+levels together. But a step only needs level 1's parameters (and optimizer state) before it, and level 1 on one
+thread is deterministic: run alone, it finds them at any step at a fraction of the cost of checking. So level 1 runs
+first, alone, and keeps its state at the first step of each stretch of the run; each worker process makes every
+level's model once (its CUDA context, compiled graphs), then checks whole stretches, each started from level 1's
+state there, with verify.Lockstep itself. The stretches' records are joined in step order, and a level's first
+failure ends its record, as in one process.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+from collections.abc import Callable
+from contextlib import contextmanager
+
+import numpy as np
+
+from common.harness import verify
+from common.harness.phases import Phases
+from common.levels import level
+from common.nets import Network
+from common.nets.optimizers import SGD, Optimizer
+
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+STRETCHES_PER_JOB = 3  # a stretch per worker would leave the others idle once the fastest is done
+
+_worker: dict = {}  # in a worker process: its models, the data, the network and the optimizer
+
+
+def lockstep(factories: dict[str, Callable], params: dict[str, np.ndarray], data: Callable, orders: list[np.ndarray],
+             batch: int, lr: float, jobs: int, network: Network, optimizer: Optimizer = SGD,
+             clock: Phases | None = None, workers: Phases | None = None, also: Callable | None = None):
+    """verify.lockstep over `jobs` processes: each model made in each worker by its factory (picklable, as
+    compare.Factory), the training set by `data()` -> (X, y). `also`: one more picklable job for the pool, run beside
+    the lockstep (the float64 twin's free run); its result is returned third. Returns (records, why level 1 diverged
+    or None, also's result); `clock` gets the lockstep's wall time, `workers` each model's time summed over the
+    workers."""
+    clock, workers = clock or Phases(), workers or Phases()
+    X, y = data()
+    batches = [order[start: start + batch] for order in orders for start in range(0, len(order), batch)]
+    starts = stretches(len(batches), jobs * STRETCHES_PER_JOB)
+    # What starts a worker is written to it before the pool returns: kept small (no parameters), or the parent would
+    # wait for every worker's start in turn. Each task brings level 1's state, through the pool's queue.
+    with single_threaded(), multiprocessing.get_context("spawn").Pool(
+            jobs, _start, (pickle.dumps((factories, data)), network.name, optimizer.name)) as pool:
+        extra = pool.apply_async(also) if also else None
+        pending, diverged = [], None
+        with clock("lockstep: level 1 alone, its state at each stretch"):
+            for (first, end), state in zip(starts, level1_states(params, X, y, batches, lr, network, optimizer,
+                                                                  [first for first, _ in starts])):
+                if isinstance(state, str):
+                    diverged = state
+                    break
+                pending.append(pool.apply_async(_check, (first, state, batches[first:end], lr)))
+        with clock(f"lockstep: every level, in {jobs} processes"):
+            stretch_results = [result.get() for result in pending]
+            also_result = extra.get() if extra else None
+            pool.close()
+            pool.join()
+    records = join([records for records, _, _ in stretch_results], list(factories), network, optimizer)
+    for _, seconds, _ in stretch_results:
+        workers.merge(seconds)
+    diverged = next((why for _, _, why in stretch_results if why), diverged)
+    return records, diverged, also_result
+
+
+def stretches(steps: int, count: int) -> list[tuple[int, int]]:
+    """[first, end) of `count` (at most `steps`) stretches of nearly equal length covering 0..steps."""
+    bounds = np.linspace(0, steps, min(count, steps) + 1).round().astype(int)
+    return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def level1_states(params, X, y, batches, lr: float, network: Network, optimizer: Optimizer, firsts: list[int]):
+    """Level 1 alone, on one thread, as verify.Lockstep steps it: yields (its parameters, its optimizer state) before
+    each step of `firsts`, in order; or, where it diverged before one, why (and stops)."""
+    reference = level(1).load(network)(params, device="cpu", **optimizer.options)
+    lr = float(np.float32(lr))  # as verify.Lockstep steps it
+    wanted = iter(firsts)
+    target = next(wanted, None)
+    with verify.torch_threads(1):
+        for k, rows in enumerate(batches):
+            if k == target:
+                yield reference.state_dict(), reference.optimizer_state() if optimizer.state else None
+                target = next(wanted, None)
+                if target is None:
+                    return
+            loss = float(reference.train_epoch(X, y, len(rows), lr, rows)[0])
+            if not np.isfinite(loss):
+                yield f"level 1 itself diverged at lockstep step {k}"
+                return
+
+
+def join(parts: list[dict[str, verify.LockstepRecord]], labels: list[str], network: Network,
+         optimizer: Optimizer) -> dict[str, verify.LockstepRecord]:
+    """The stretches' records of each level, in step order, as one record: up to and with its first failure."""
+    names = network.float64_step().names
+    names += tuple(f"{n}.{key}" for n in names for key in optimizer.moments)
+    joined = {label: verify.LockstepRecord(label, names) for label in labels}
+    for label, record in joined.items():
+        for part in parts:
+            piece = part[label]
+            record.loss_err += piece.loss_err
+            record.update_err += piece.update_err
+            record.used += piece.used
+            record.ties += piece.ties
+            if piece.failure:
+                record.failure = piece.failure
+                break
+    return joined
+
+
+@contextmanager
+def single_threaded():
+    """Worker processes started inside the block run their BLAS and OpenMP on one thread each (they inherit the
+    environment): several workers' thread pools, each spinning while it waits, would only fight over the cores."""
+    before = {name: os.environ.get(name) for name in THREAD_VARIABLES}
+    os.environ.update({name: "1" for name in THREAD_VARIABLES})
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
+
+
+def _start(made: bytes, network: str, optimizer: str) -> None:
+    """A worker's start: the data set; the models are made at its first stretch, from the parameters it brings. `made`
+    is the pickled (factories, data): unpickled here, where an error is kept for that stretch to raise; raised here,
+    or while the pool unpickles its arguments, it would make the pool start the worker again, and again."""
+    from common.nets import get, optimizers
+
+    try:
+        factories, data = pickle.loads(made)
+        X, y = data()
+        _worker.update(factories=factories, X=X, y=y, network=get(network), optimizer=optimizers.get(optimizer))
+    except Exception as error:  # noqa: BLE001 - any error: it reaches the caller through _check
+        _worker["error"] = error
+
+
+def _check(first: int, state: tuple, batches: list[np.ndarray], lr: float):
+    """One stretch of steps from level 1's state at its first: (each model's record, the time by model, why level 1
+    diverged or None)."""
+    if "error" in _worker:
+        raise RuntimeError(f"a lockstep worker could not start: {_worker['error']!r}") from _worker["error"]
+    network, optimizer = _worker["network"], _worker["optimizer"]
+    params, optimizer_state = state
+    if "models" not in _worker:  # made once: a CUDA context, compiled graphs; each step loads level 1's parameters
+        _worker["models"] = {label: make(params) for label, make in _worker["factories"].items()}
+    reference = level(1).load(network)(params, device="cpu", **optimizer.options)
+    if optimizer_state is not None:
+        reference.load_optimizer_state(optimizer_state)
+    clock = Phases()
+    run = verify.Lockstep(reference, _worker["models"], _worker["X"], _worker["y"], lr, network.float64_step(),
+                          optimizer, clock)
+    run.steps = first
+    with verify.torch_threads(1):
+        for rows in batches:
+            run.step(rows)
+            if run.reference_diverged or all(r.failure for r in run.records.values()):
+                break
+    return run.records, dict(clock.seconds), run.reference_diverged
