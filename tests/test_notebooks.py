@@ -174,6 +174,17 @@ def test_the_teachers_answers_cover_every_exercise_and_question(path: Path):
             f"{answers.relative_to(ROOT)}, '## {heading}': answers {answered}, but the chapter has {sorted(asked)}"
 
 
+def test_a_chapter_is_stale_once_a_result_it_looked_for_is_there(tmp_path):
+    """A chapter made before a result existed said so ("No results ... yet"): once the result is there, its outputs are
+    stale, as when a file it read changed."""
+    notebook = {"cells": [{"cell_type": "code", "source": ["print(1)"]}], "metadata": {}}
+    notebook["metadata"][book.KEY] = {"code": book.code_digest(notebook), "files": {"README.md": "missing",
+                                                                                    "results/never/results.json": "missing"}}
+    path = tmp_path / "chapter.ipynb"
+    path.write_text(json.dumps(notebook))
+    assert book.stale(path) == ["README.md is there now"]
+
+
 def test_a_capture_is_stale_once_a_source_it_quotes_changes(tmp_path):
     """A tool's output names our files by line (valgrind's `mlp.c:296`); the capture records those files' hashes, and
     a chapter showing it is stale once one changes (as if mlp.c had changed since: its recorded hash is altered)."""

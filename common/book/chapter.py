@@ -319,8 +319,10 @@ def gpu_here() -> bool:
 
 def used_files() -> list[str]:
     """The repository files this chapter's kernel has used, relative to the root: the modules it imported, the sources
-    of the native libraries those load, and the files shown or read through these helpers. `make chapters` records
-    their hashes, so that a change to any of them marks the chapter's committed outputs as stale."""
+    of the native libraries those load, and the files shown or read through these helpers, those it looked for and did
+    not find too (a result not measured yet). `make chapters` records their hashes ("missing" for one not there), so
+    that a change to any of them, or a result that appears, marks the chapter's committed outputs as stale."""
+    looked_for = {f for f in _read if not f.exists() and f.is_relative_to(ROOT)}
     files = set(_read)
     for module in list(sys.modules.values()):
         file = getattr(module, "__file__", None)
@@ -332,7 +334,8 @@ def used_files() -> list[str]:
             library = lv.library_for(network)
             if module and library and network.class_name in vars(module):  # the library it loaded
                 files |= native_sources(library.parent / library.name.removeprefix("lib").removesuffix(".so"))
-    return sorted(str(f.relative_to(ROOT)) for f in files if f.is_file() and f.is_relative_to(ROOT))
+    kept = [f for f in files if f.is_relative_to(ROOT) and (f.is_file() or f in looked_for)]
+    return sorted(str(f.relative_to(ROOT)) for f in kept)
 
 
 def native_sources(stem: Path) -> set[Path]:

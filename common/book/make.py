@@ -60,7 +60,7 @@ def stale(path: Path) -> list[str]:
     if record["code"] != code_digest(notebook):
         why.append("a code cell changed")
     now = file_digests(list(record["files"]))
-    why += [f"{f} changed" for f, d in record["files"].items() if now[f] != d]
+    why += [f"{f} {'is there now' if d == 'missing' else 'changed'}" for f, d in record["files"].items() if now[f] != d]
     for f in record["files"]:
         why += capture_stale(ROOT / f)
     return why
