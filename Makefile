@@ -200,7 +200,7 @@ test: $(ENV) levels $(LAB_LIBS)
 # (so not the tests that fetch from PyPI); GPU tests may not skip there. With pytest-xdist, a worker per core (the
 # chapter's runs on one: they share level 1's), each with BLAS and OpenMP on one thread: several workers' thread
 # pools, spinning while they wait, would only fight over the cores. It ends with where the time went.
-XDIST = $(shell python3 -c 'import xdist' 2>/dev/null && echo -n auto --dist loadgroup)
+XDIST = $(shell python3 -c 'import xdist' 2>/dev/null && printf '%s' '-n auto --dist loadgroup')
 ONE_THREAD := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 test-gpu:
 	$(MAKE) -j8 levels $(LAB_LIBS) PYTHON=python3
