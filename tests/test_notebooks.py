@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from common.book import cited
 from common.book import make as book
 from common.book.chapter import SCREEN_WIDTH, c_function
 from common.classroom.lab import MARKER
@@ -207,3 +208,48 @@ def test_every_committed_capture_quotes_the_current_sources():
     assert captures, "no capture records its sources"
     stale = [why for capture in captures for why in book.capture_stale(capture)]
     assert not stale, "; ".join(stale) + ": capture them again (common/book/capture_memory.py, common/book/capture_debugging.py)"
+
+
+# ---- the numbers the answers quote (common/book/cited.py) ----
+
+def answer_files() -> list[Path]:
+    if (ROOT / MARKER).exists():
+        pytest.skip("the student edition has no answers/: they are the teacher's")
+    return sorted((ROOT / "answers").glob("*.md"))
+
+
+def test_every_number_an_answer_quotes_is_what_its_source_says():
+    """A result measured again, or a chapter made again, leaves no answer quoting its old number
+    (python -m common.book.cited --refresh writes them again)."""
+    problems = [problem for path in answer_files() for problem in cited.check(path)]
+    assert not problems, "\n".join(problems)
+
+
+COMMITTED_TIME = re.compile(r"(?<![\w.,])(" + cited.NUMBER + r")(?:%(?!<!--)| µs| GFLOP/s)")
+
+
+def test_a_committed_number_in_an_answer_names_its_source():
+    """In a paragraph that calls its numbers committed, every time, rate and percentage carries its source: a number
+    copied by hand would not follow its result."""
+    uncited = []
+    for path in answer_files():
+        text = path.read_text()  # a paragraph, or one row of a table (its other rows may be a student's own runs)
+        for paragraph in re.split(r"\n\n|\n(?=\|)", text):
+            if "committed" in paragraph.lower():
+                bare = COMMITTED_TIME.findall(re.sub(r"\$[^$]*\$|`[^`]*`", "", paragraph))
+                uncited += [f"{path.name}: {number} in: {paragraph[:80]}..." for number in bare]
+    assert not uncited, "\n".join(uncited)
+
+
+def test_the_quote_checker_finds_a_number_its_source_no_longer_says(tmp_path):
+    """Sharpness: one number of the source changed is found; --refresh writes it again in the quote's own format."""
+    (tmp_path / "r.json").write_text(json.dumps({"table": [{"level": "level6[cuda]", "us": 1234.56}]}))
+    (tmp_path / "cap.txt").write_text("  grid of 16 blocks   1.436\n")
+    answer = tmp_path / "a.md"
+    answer.write_text("took 1,234.6<!-- r.json: table[level=level6[cuda]].us --> µs, "
+                      "a round 1.44<!-- cap.txt: /grid of 16 blocks +([\\d.]+)/ --> µs, 99<!-- r.json: x.y -->\n")
+    assert [p.split(": ")[-1] for p in cited.check(answer, tmp_path)] == ["'x'"]
+    (tmp_path / "r.json").write_text(json.dumps({"table": [{"level": "level6[cuda]", "us": 987.0}], "x": {"y": 99}}))
+    assert [p.rsplit(": ", 1)[-1] for p in cited.check(answer, tmp_path)] == ["the source says 987.0"]
+    assert cited.refresh(answer, tmp_path) == 1 and cited.check(answer, tmp_path) == []
+    assert answer.read_text().startswith("took 987.0<!--")
