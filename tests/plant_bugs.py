@@ -40,7 +40,8 @@ ADAM_BUGS = [
 
 # (level, file, the correct code, the buggy code, what the bug is); a bug of several edits gives tuples.
 BUGS = [
-    (1, "level1_pytorch/mlp.py", "            self.optimizer.zero_grad()\n", "", "gradients never zeroed between steps"),
+    (1, "level1_pytorch/mlp.py", "self.optimizer.zero_grad()\n                loss.backward()", "loss.backward()",
+     "gradients never zeroed between steps"),
     (2, "level2_theory/backprop.py", "return dlogits / len(y)", "return dlogits",
      "gradients not divided by the batch size"),
     (2, "level2_theory/backprop.py", "return da * (h > 0)", "return da * (da > 0)",
