@@ -4,12 +4,12 @@ A quoted number is followed by an HTML comment naming where it comes from (GitHu
 
     level 6 took 87.9<!-- results/h100/chapter/results.json: table[level=level6[cuda]].us_per_step --> µs a step
 
-The source is either a JSON file and a path into it (keys, list indices, `name[key=value]` for the list item whose
-key has that value, `[a=1&b=2]` for several keys, `*100` at the end for a percentage, `A / B` for the ratio of two of its numbers), or any other
-file and a regular expression between slashes whose first group is the number: a capture
-(`results/h100/level7_floors.txt`), a table, or a chapter, whose outputs are searched
-(`level1_pytorch/chapter.ipynb: /^ +8 +(\\d+)/`). A quote must be what its source says, written as the quote is: as
-many decimals, and the same thousands separators.
+The source is either a JSON file and a path into it, or any other file and a regular expression between slashes
+whose first group is the number. A path into JSON has keys and list indices, `name[key=value]` for the one list item
+whose key has that value (`[a=1&b=2]`: several keys), `*100` at its end for a percentage, and `A / B` for the ratio of
+two numbers of the file. A text source is a capture (`results/h100/level7_floors.txt`), a table, or a chapter, whose
+outputs are searched (`level1_pytorch/chapter.ipynb: /^ +8 +(\\d+)/`). A quote must be what its source says, written
+as the quote is: as many decimals, and the same thousands separators.
 
     python -m common.book.cited            # check every answer; exit status 1 where a quote differs from its source
     python -m common.book.cited --refresh  # write each quoted number again from its source, in the same format
@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 ANSWERS = ROOT / "answers"
 NUMBER = r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?"
-CITATION = re.compile(rf"(?P<number>{NUMBER})(?P<unit>[%×x]?)<!-- (?P<source>[^:\s]+): (?P<where>.*?) -->")
+CITATION = re.compile(rf"(?P<number>{NUMBER})[%×x]?<!-- (?P<source>[^:\s]+): (?P<where>.*?) -->")
 _STEP = re.compile(r"^(?P<key>[^\[\]]*)(?:\[(?P<where>\w+=.*)\])?$")
 
 
@@ -126,8 +126,7 @@ def written_like(value: float, quoted: str) -> str:
     """The value written as the quote is: as many decimals, thousands separated where the quote separates them."""
     decimals = len(quoted.split(".")[1]) if "." in quoted else 0
     separated = "," in quoted or abs(float(quoted)) < 1000  # 983 may become 1,326; 1326 stays unseparated
-    text = f"{value:,.{decimals}f}" if separated else f"{value:.{decimals}f}"
-    return "0" if text in ("-0", "-0.0") and decimals == 0 else text
+    return f"{value:,.{decimals}f}" if separated else f"{value:.{decimals}f}"
 
 
 def check(path: Path, root: Path = ROOT) -> list[str]:
