@@ -37,6 +37,7 @@ warnings.filterwarnings("ignore", message="TensorFloat32 tensor cores for float3
 
 # each peer by name, and its short name in the tables' columns (speedup_vs_<short> in results.json)
 NAMES = {"torch-eager": "eager", "torch-graph": "graph", "torch-compile": "compile", "jax-scan": "jax"}
+COMPILING = frozenset({"torch-compile", "jax-scan"})  # making one compiles its step: seconds to minutes
 
 
 @contextmanager

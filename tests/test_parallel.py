@@ -78,6 +78,31 @@ def test_split_over_processes_it_checks_every_step_as_one_process_does():
     assert any(name.startswith("lockstep: every level") for name in clock.seconds)
 
 
+def test_a_compiling_model_is_checked_in_few_long_stretches_as_one_process_checks_it():
+    """A model whose making compiles (torch.compile, JAX) is made in few processes: level 4 stands in for one here,
+    beside itself as a model that does not; each is checked at every step, exactly as in one process (level 4 is C:
+    the same bits in any process)."""
+    factories = {"level4": compare.factory(level(4), "cpu"), "compiled": compare.factory(level(4), "cpu")}
+    records, _, _ = parallel.lockstep(factories, init_params(0), compare.TrainingData(ROWS, False), orders(), BATCH,
+                                      LR, 3, get("mlp"), compiling=frozenset({"compiled"}))
+    alone, _ = sequential(factories)
+    for label in factories:
+        assert len(records[label].used) == len(alone[label].used) == EPOCHS * ROWS // BATCH
+        np.testing.assert_allclose(records[label].used, alone[label].used, rtol=1e-9)
+        assert [t.describe() for t in records[label].ties] == [t.describe() for t in alone[label].ties]
+
+
+def test_the_compiling_models_stretches_cover_every_step_once_in_few_tasks():
+    starts = parallel.stretches(120, 9)
+    tasks = parallel.stretch_tasks(starts, ["cheap", "compiled"], frozenset({"compiled"}))
+    spans = {label: [(first, end) for first, these in tasks.items() for end, labels in these if label in labels]
+             for label in ("cheap", "compiled")}
+    assert spans["cheap"] == starts
+    compiled = sorted(spans["compiled"])
+    assert len(compiled) == parallel.COMPILING_PROCESSES and compiled[0][0] == 0 and compiled[-1][1] == 120
+    assert all(a[1] == b[0] for a, b in zip(compiled, compiled[1:]))
+
+
 def test_a_failure_in_a_later_stretch_is_the_one_process_finds_and_ends_the_record():
     factories = {"off": OffAtARow()}
     records, _, _ = parallel.lockstep(factories, init_params(0), compare.TrainingData(ROWS, False), orders(), BATCH,

@@ -36,7 +36,7 @@ from common.harness.phases import Phases
 from common.levels import LEVELS, ROOT, THE_MLP, Level, gpu_available, level, missing
 from common.nets import NETWORKS, Network, get, optimizers
 from common.nets.mlp import HIDDEN
-from level1_pytorch.peers import NAMES as PEERS  # on a GPU, the yardsticks of speed
+from level1_pytorch.peers import COMPILING, NAMES as PEERS  # on a GPU, the yardsticks of speed; which compile
 
 REFERENCE = "level1[cpu]"
 WARM_UP = "one untimed epoch first (then the initial weights back), then each epoch timed"  # train() does it
@@ -200,7 +200,8 @@ def verify_runs(runs: list[Run], params, X, y, X_test, y_test, orders, args, qui
         data = TrainingData(args.train_size, args.repeat)
         records, reference_diverged, twin = parallel.lockstep(
             {run.label: run.factory for run in checked}, params, data, orders, args.batch, args.lr, args.jobs,
-            network, optimizer, clock, workers, partial(twin_run, twin, params, data, orders, args.batch, args.lr))
+            network, optimizer, clock, workers, partial(twin_run, twin, params, data, orders, args.batch, args.lr),
+            compiling=frozenset(run.label for run in checked if run.factory.peer in COMPILING))
     else:
         with clock(f"{twin.label}: made"):
             model = twin.factory(params)

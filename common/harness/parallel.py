@@ -10,6 +10,10 @@ first, alone, and keeps its state at the first step of each stretch of the run; 
 level's model once (its CUDA context, compiled graphs), then checks whole stretches, each started from level 1's
 state there, with verify.Lockstep itself. The stretches' records are joined in step order, and a level's first
 failure ends its record, as in one process.
+
+A model whose making compiles its step (torch.compile, JAX's XLA: the `compiling` labels) costs seconds to minutes in
+every process that makes it, and processes compiling at once slow each other down. Those models are checked in at
+most COMPILING_PROCESSES long stretches instead, each made in one process: the same steps, each checked once.
 """
 
 from __future__ import annotations
@@ -30,22 +34,25 @@ from common.nets.optimizers import SGD, Optimizer
 
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 STRETCHES_PER_JOB = 3  # a stretch per worker would leave the others idle once the fastest is done
+COMPILING_PROCESSES = 4  # at most this many processes make a compiling model: fewer compilations, longer stretches
 
 _worker: dict = {}  # in a worker process: its models, the data, the network and the optimizer
 
 
 def lockstep(factories: dict[str, Callable], params: dict[str, np.ndarray], data: Callable, orders: list[np.ndarray],
              batch: int, lr: float, jobs: int, network: Network, optimizer: Optimizer = SGD,
-             clock: Phases | None = None, workers: Phases | None = None, also: Callable | None = None):
+             clock: Phases | None = None, workers: Phases | None = None, also: Callable | None = None,
+             compiling: frozenset[str] = frozenset()):
     """verify.lockstep over `jobs` processes: each model made in each worker by its factory (picklable, as
     compare.Factory), the training set by `data()` -> (X, y). `also`: one more picklable job for the pool, run beside
     the lockstep (the float64 twin's free run); its result is returned third. Returns (records, why level 1 diverged
     or None, also's result); `clock` gets the lockstep's wall time, `workers` each model's time summed over the
-    workers."""
+    workers. `compiling`: the labels of the models whose making compiles, checked in few long stretches."""
     clock, workers = clock or Phases(), workers or Phases()
     X, y = data()
     batches = [order[start: start + batch] for order in orders for start in range(0, len(order), batch)]
     starts = stretches(len(batches), jobs * STRETCHES_PER_JOB)
+    tasks = stretch_tasks(starts, list(factories), compiling)
     # What starts a worker is written to it before the pool returns: kept small (no parameters), or the parent would
     # wait for every worker's start in turn. Each task brings level 1's state, through the pool's queue.
     with single_threaded(), multiprocessing.get_context("spawn").Pool(
@@ -58,16 +65,18 @@ def lockstep(factories: dict[str, Callable], params: dict[str, np.ndarray], data
                 if isinstance(state, str):
                     diverged = state
                     break
-                pending.append(pool.apply_async(_check, (first, state, batches[first:end], lr)))
+                for task_end, labels in tasks[first]:
+                    pending.append(pool.apply_async(_check, (first, state, batches[first:task_end], lr, labels)))
         with clock(f"lockstep: every level, in {jobs} processes"):
             stretch_results = [result.get() for result in pending]
             also_result = extra.get() if extra else None
             pool.close()
             pool.join()
-    records = join([records for records, _, _ in stretch_results], list(factories), network, optimizer)
-    for _, seconds, _ in stretch_results:
+    stretch_results.sort(key=lambda result: result[0])  # in step order
+    records = join([records for _, records, _, _ in stretch_results], list(factories), network, optimizer)
+    for _, _, seconds, _ in stretch_results:
         workers.merge(seconds)
-    diverged = next((why for _, _, why in stretch_results if why), diverged)
+    diverged = next((why for _, _, _, why in stretch_results if why), diverged)
     return records, diverged, also_result
 
 
@@ -75,6 +84,18 @@ def stretches(steps: int, count: int) -> list[tuple[int, int]]:
     """[first, end) of `count` (at most `steps`) stretches of nearly equal length covering 0..steps."""
     bounds = np.linspace(0, steps, min(count, steps) + 1).round().astype(int)
     return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def stretch_tasks(starts: list[tuple[int, int]], labels: list[str], compiling: frozenset[str]) -> dict:
+    """first step -> [(end, the labels checked from it)]: every label over every stretch, the compiling ones over at
+    most COMPILING_PROCESSES runs of consecutive stretches, each starting where a stretch starts."""
+    light = [label for label in labels if label not in compiling]
+    heavy = [label for label in labels if label in compiling]
+    tasks = {first: ([(end, light)] if light else []) for first, end in starts}
+    if heavy:
+        for group in np.array_split(np.arange(len(starts)), min(COMPILING_PROCESSES, len(starts))):
+            tasks[starts[group[0]][0]].insert(0, (starts[group[-1]][1], heavy))  # the long one first
+    return tasks
 
 
 def level1_states(params, X, y, batches, lr: float, network: Network, optimizer: Optimizer, firsts: list[int]):
@@ -99,12 +120,13 @@ def level1_states(params, X, y, batches, lr: float, network: Network, optimizer:
 
 def join(parts: list[dict[str, verify.LockstepRecord]], labels: list[str], network: Network,
          optimizer: Optimizer) -> dict[str, verify.LockstepRecord]:
-    """The stretches' records of each level, in step order, as one record: up to and with its first failure."""
+    """The stretches' records of each level, in step order, as one record: up to and with its first failure. A part
+    holds the levels it checked (a compiling model's parts are fewer and longer)."""
     names = network.float64_step().names
     names += tuple(f"{n}.{key}" for n in names for key in optimizer.moments)
     joined = {label: verify.LockstepRecord(label, names) for label in labels}
     for label, record in joined.items():
-        for part in parts:
+        for part in (part for part in parts if label in part):
             piece = part[label]
             record.loss_err += piece.loss_err
             record.update_err += piece.update_err
@@ -146,25 +168,27 @@ def _start(made: bytes, network: str, optimizer: str) -> None:
         _worker["error"] = error
 
 
-def _check(first: int, state: tuple, batches: list[np.ndarray], lr: float):
-    """One stretch of steps from level 1's state at its first: (each model's record, the time by model, why level 1
-    diverged or None)."""
+def _check(first: int, state: tuple, batches: list[np.ndarray], lr: float, labels: list[str]):
+    """One stretch of steps from level 1's state at its first, for the models `labels`: (its first step, each model's
+    record, the time by model, why level 1 diverged or None)."""
     if "error" in _worker:
         raise RuntimeError(f"a lockstep worker could not start: {_worker['error']!r}") from _worker["error"]
     network, optimizer = _worker["network"], _worker["optimizer"]
     params, optimizer_state = state
-    if "models" not in _worker:  # made once: a CUDA context, compiled graphs; each step loads level 1's parameters
-        _worker["models"] = {label: make(params) for label, make in _worker["factories"].items()}
+    models = _worker.setdefault("models", {})  # each made once in a worker (a CUDA context, compiled graphs); each
+    for label in labels:  # step then loads level 1's parameters into it
+        if label not in models:
+            models[label] = _worker["factories"][label](params)
     reference = level(1).load(network)(params, device="cpu", **optimizer.options)
     if optimizer_state is not None:
         reference.load_optimizer_state(optimizer_state)
     clock = Phases()
-    run = verify.Lockstep(reference, _worker["models"], _worker["X"], _worker["y"], lr, network.float64_step(),
-                          optimizer, clock)
+    run = verify.Lockstep(reference, {label: models[label] for label in labels}, _worker["X"], _worker["y"], lr,
+                          network.float64_step(), optimizer, clock)
     run.steps = first
     with verify.torch_threads(1):
         for rows in batches:
             run.step(rows)
             if run.reference_diverged or all(r.failure for r in run.records.values()):
                 break
-    return run.records, dict(clock.seconds), run.reference_diverged
+    return first, run.records, dict(clock.seconds), run.reference_diverged
