@@ -152,14 +152,16 @@ def epoch_order(n: int, epoch: int, seed: int, shuffle: bool) -> np.ndarray:
 def train(model, run: Run, params, X, y, X_test, y_test, orders, args, quiet: bool, clock: Phases) -> Run:
     """The free run: args.epochs epochs, each timed on its own; stops after an epoch whose loss is not finite.
 
-    First one untimed epoch, then the initial parameters back: the CUDA context, library handles, the upload,
-    graph captures and compilation (torch.compile's, XLA's) are done before the clock starts, so every timed epoch is
-    a warm one. The first call for a run keeps its losses and predictions (the run that is verified); a later call,
-    a later round, adds its time only."""
+    First one untimed epoch, then the initial parameters back (and Adam's state forgotten): the CUDA context, library
+    handles, the upload, graph captures and compilation (torch.compile's, XLA's) are done before the clock starts, so
+    every timed epoch is a warm one. The first call for a run keeps its losses and predictions (the run that is
+    verified); a later call, a later round, adds its time only."""
     first = not run.rounds
     with clock(f"{run.label}: warm-up epoch"):
         model.train_epoch(X, y, args.batch, args.lr, orders[0])
         model.load_state_dict(params)
+        if "optimizer" in run.asked:  # Adam's moments and step count forgotten too: the timed run starts at a first
+            model.load_optimizer_state({})  # step, as the lockstep's does, not with the warm-up epoch's moments
     run.ran = model.variant()
     if why := mismatch(run.asked, run.ran):  # never time one thing under another's name
         run.failure = f"ran something else than its row says: {why}"
