@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import re
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -88,6 +89,18 @@ def gpu_available() -> bool:
     except ImportError:
         smi = shutil.which("nvidia-smi")
         return bool(smi) and subprocess.run([smi, "-L"], capture_output=True).returncode == 0
+
+
+def machine_tag() -> str:
+    """The name of this machine's results folder (results/<tag>/): its GPU's model as the driver names it ("NVIDIA
+    H100 80GB HBM3" -> h100, "NVIDIA H200" -> h200), else cpu. Read from the machine, so that a result is filed
+    under the GPU that measured it."""
+    if not gpu_available():
+        return "cpu"
+    import torch
+
+    words = torch.cuda.get_device_name().removeprefix("NVIDIA ").split()
+    return re.sub(r"[^a-z0-9]+", "-", words[0].lower()).strip("-") if words else "gpu"
 
 
 def missing(lv: Level, device: str = "cpu", network: Network = THE_MLP, optimizer: Optimizer = SGD,

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 from common.book.make import write_capture
-from common.levels import ROOT
+from common.levels import ROOT, machine_tag
 
 spec = importlib.util.spec_from_file_location("plant_bugs", ROOT / "tests" / "plant_bugs.py")
 plant_bugs = importlib.util.module_from_spec(spec)
@@ -242,9 +242,10 @@ CAPTURES = {"ceilings": capture_ceilings, "timeline": capture_timeline,
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tag", default="h100")
+    p.add_argument("--tag", default=None, help="results/<tag>/ (default: the GPU's model)")
     p.add_argument("--only", default=None, help=f"comma-separated captures, of {', '.join(CAPTURES)} (default: all)")
     args = p.parse_args()
+    args.tag = args.tag or machine_tag()  # the results folder of the GPU that measures
     folder = ROOT / "results" / args.tag / "debugging"
     folder.mkdir(parents=True, exist_ok=True)
     chosen = args.only.split(",") if args.only else list(CAPTURES)

@@ -196,7 +196,7 @@ def show_results(results: dict | str | Path, plots: bool = True, rows=None) -> N
     network = "LeNet-5: " if s.get("model") == "lenet" else ""
     print(f"{network}{s['train_size']:,} images x {s['epochs']} epochs, batch {s['batch']}{size}, lr {s['lr']}\n"
           f"machine: {gpu}{m.get('cpu', '?')}\ndata: {results['data']}\n"
-          f"rules (common/harness/verify.py): {rules}\n{compare.timing_rule(s.get('rounds', 1))}\n")
+          f"rules (common/harness/verify.py): {rules}\n{compare.timing_rule(s)}\n")
     table = [r for r in results["table"] if rows is None or r["level"] in rows]
     compare.print_table(table)
     for r in table:

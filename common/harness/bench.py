@@ -1,6 +1,6 @@
 """make bench: every level's speed at the chapter's settings and at larger ones, each level verified before it is timed.
 
-    python -m common.harness.bench [--tag h100] [--presets chapter,large-b256,lenet,lenet-b256]
+    python -m common.harness.bench [--tag h200] [--presets chapter,large-b256,lenet,lenet-b256]
     python -m common.harness.bench --presets none    # only the GPU profile (--no-profile: the presets only)
     python -m common.harness.bench --report          # only rewrite results/README.md's tables and results/speed.png
     python -m common.harness.bench --quick           # every preset small, one round: a change checked in minutes
@@ -35,7 +35,7 @@ from common.contract import immutable
 from common.harness import compare
 from common.harness.data import load_mnist, normalize
 from common.harness.phases import Phases
-from common.levels import LEVELS, ROOT, THE_MLP, gpu_available, missing
+from common.levels import LEVELS, ROOT, THE_MLP, gpu_available, machine_tag, missing
 from common.nets import get
 from common.nets.mlp import init_params
 
@@ -134,7 +134,7 @@ def markdown_table(results: dict) -> str:
     network = f"hidden {s['hidden']}" if "hidden" in s else get(s["model"]).title
     lines = [
         f"**{s['train_size']:,} images x {s['epochs']} epochs, batch {s['batch']}, {network}** - {where}; "
-        f"data: {results['data'].rsplit(', ', 1)[0]}. {compare.timing_rule(s.get('rounds', 1))}",
+        f"data: {results['data'].rsplit(', ', 1)[0]}. {compare.timing_rule(s)}",
         "",
         compare.table(results["table"], markdown=True),
     ]
@@ -176,7 +176,8 @@ def report() -> None:
     with its reason, and draw results/speed.png from the H100's."""
     blocks = []
     tags = RESULTS.iterdir() if RESULTS.is_dir() else ()
-    for tag_dir in sorted(p for p in tags if p.is_dir() and p.name not in ("local", "memory")):
+    for tag_dir in sorted(p for p in tags if p.is_dir() and p.name not in ("local", "memory")
+                          and not p.name.endswith("-quick")):  # --quick's runs are too short to publish
         for preset in PRESETS:
             path = tag_dir / preset / "results.json"
             if path.exists():
@@ -239,7 +240,7 @@ def speed_figure(tag_dir) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tag", default="h100" if gpu_available() else "cpu", help="results/<tag>/ (default: h100 or cpu)")
+    p.add_argument("--tag", default=None, help="results/<tag>/ (default: the GPU's model, h100 or h200, or cpu)")
     p.add_argument("--presets", default=None, help=f"comma-separated, from {list(PRESETS)} (default: all this "
                    "machine can run)")
     p.add_argument("--levels", default=None, help="comma-separated level numbers (default: all this machine can run)")
@@ -254,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
                    "(common.harness.compare --resume), and time the rest")
     p.add_argument("--report", action="store_true", help="only rewrite results/README.md's tables and speed.png")
     args = p.parse_args(argv)
+    args.tag = args.tag or machine_tag()  # the results folder of the GPU that measures
     if args.report:
         report()
         return 0

@@ -30,7 +30,7 @@ import numpy as np
 from tqdm import tqdm
 
 from common.contract import immutable
-from common.harness import parallel, verify
+from common.harness import compile_cache, parallel, verify
 from common.harness.data import load_mnist, normalize
 from common.harness.phases import Phases
 from common.levels import LEVELS, ROOT, THE_MLP, Level, gpu_available, level, missing
@@ -40,10 +40,13 @@ from level1_pytorch.peers import COMPILING, NAMES as PEERS  # on a GPU, the yard
 
 REFERENCE = "level1[cpu]"
 WARM_UP = "one untimed epoch first (then the initial weights back), then each epoch timed"  # train() does it
-# A row's rounds (--rounds: the whole timed run again, on a fresh model, each round over every row) must agree: its
+# A row's rounds (--rounds: the timed run again, on a fresh model, each round over every row) must agree: its
 # slowest round at most this many times its fastest (each round's median epoch). A row past it is flagged
 # "unsteady" and its time and ratios are not published: one disturbed run must not set a number.
 STEADY_RATIO = 1.2
+# A later round times the run's first epochs again, at most this many: the spread needs each round's median epoch,
+# not a whole run (the first round's run, the one verified and plotted, is whole).
+LATER_ROUND_EPOCHS = 3
 PROGRESS = "progress.jsonl"  # the rounds timed so far, a line after each row's round, for --resume
 PARALLEL_FROM = 20_000  # level-steps (a level's step checked in lockstep) from which the lockstep runs in processes
 
@@ -155,7 +158,7 @@ def train(model, run: Run, params, X, y, X_test, y_test, orders, args, quiet: bo
     First one untimed epoch, then the initial parameters back (and Adam's state forgotten): the CUDA context, library
     handles, the upload, graph captures and compilation (torch.compile's, XLA's) are done before the clock starts, so
     every timed epoch is a warm one. The first call for a run keeps its losses and predictions (the run that is
-    verified); a later call, a later round, adds its time only."""
+    verified); a later call, a later round, adds its time only, over the run's first LATER_ROUND_EPOCHS epochs."""
     first = not run.rounds
     with clock(f"{run.label}: warm-up epoch"):
         model.train_epoch(X, y, args.batch, args.lr, orders[0])
@@ -167,7 +170,7 @@ def train(model, run: Run, params, X, y, X_test, y_test, orders, args, quiet: bo
         run.failure = f"ran something else than its row says: {why}"
     seconds = []
     timed = time.perf_counter()
-    for order in tqdm(orders, desc=run.label, disable=quiet, leave=False):
+    for order in tqdm(orders if first else orders[:LATER_ROUND_EPOCHS], desc=run.label, disable=quiet, leave=False):
         start = time.perf_counter()
         losses = model.train_epoch(X, y, args.batch, args.lr, order)  # returns host memory: the GPU is done
         seconds.append(time.perf_counter() - start)
@@ -552,8 +555,14 @@ def rows_to_run(args) -> tuple[list[Run], dict[str, str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    started, clock = time.perf_counter(), Phases()
     args = parse_args(argv)
+    with compile_cache.shared():  # the lockstep's processes read what the timed runs compiled (JAX's XLA)
+        return job(args)
+
+
+def job(args: argparse.Namespace) -> int:
+    """The whole job for parsed arguments: train and time every row, verify each, write and print the results."""
+    started, clock = time.perf_counter(), Phases()
     quiet = args.quiet or bool(os.environ.get("CI")) or not sys.stderr.isatty()
     with clock("data"):
         data = load_mnist(quiet=quiet)
@@ -596,10 +605,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{', shuffled' if args.shuffle else ''}; verified against {REFERENCE}: lockstep at every step, "
         f"free run against float32 noise (common/harness/verify.py)"
     )
-    print(timing_rule(args.rounds) + "\n")
-    print_table(rows)
     settings = run_settings(args)
     settings["train_size"] = n
+    settings["later_round_epochs"] = LATER_ROUND_EPOCHS if LATER_ROUND_EPOCHS < args.epochs else None  # else whole
+    print(timing_rule(settings) + "\n")
+    print_table(rows)
     results = {
         "settings": settings,
         "data": data.source,
@@ -641,13 +651,16 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if any(run.label.split("[")[0] not in PEERS for run in failed) else 0
 
 
-def timing_rule(rounds: int) -> str:
-    """How the table's times were taken, in a sentence."""
+def timing_rule(settings: dict) -> str:
+    """How a run's times were taken, in a sentence, from its settings (results.json's): its rounds, and the epochs a
+    later round timed (no later_round_epochs: the whole run, as each round did before LATER_ROUND_EPOCHS)."""
+    rounds, later_epochs = settings.get("rounds", 1), settings.get("later_round_epochs")
     if rounds == 1:
         return f"Timing: {WARM_UP}; us/step is the median epoch's."
-    return (f"Timing: {WARM_UP}; every row timed {rounds} times, in rounds over the rows; us/step is the median of "
-            f"the rounds' median epochs, with their range; a row whose rounds are more than {STEADY_RATIO}x apart "
-            "is flagged unsteady and not published.")
+    later = f" (the first its whole run, each later one its first {later_epochs} epochs)" if later_epochs else ""
+    return (f"Timing: {WARM_UP}; every row timed {rounds} times, in rounds over the rows{later}; us/step is the "
+            f"median of the rounds' median epochs, with their range; a row whose rounds are more than {STEADY_RATIO}x "
+            "apart is flagged unsteady and not published.")
 
 
 def optimizer_note(optimizer: optimizers.Optimizer) -> str:

@@ -44,7 +44,7 @@ import torch  # noqa: E402
 
 from common.harness import compare, results, verify  # noqa: E402
 from common.harness.data import dataset, load_mnist, normalize  # noqa: E402
-from common.levels import THE_MLP, gpu_available, level, missing  # noqa: E402
+from common.levels import THE_MLP, gpu_available, level, machine_tag, missing  # noqa: E402
 from common.nets.mlp import init_params  # noqa: E402
 
 CALLS, STEPS = 10_000, 500  # per repeat: the operation's calls, the step's steps
@@ -260,8 +260,9 @@ def measure(calls: int = CALLS, steps: int = STEPS, repeats: int = REPEATS, part
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tag", default="h100" if gpu_available() else "cpu", help="results/<tag>/ (default: h100 or cpu)")
+    p.add_argument("--tag", default=None, help="results/<tag>/ (default: the GPU's model, h100 or h200, or cpu)")
     args = p.parse_args(argv)
+    args.tag = args.tag or machine_tag()  # the results folder of the GPU that measures
     record = measure()
     table = markdown(record)
     print("\n" + table)

@@ -18,7 +18,7 @@ import sys
 
 from cffi import FFI
 
-from common.levels import ROOT
+from common.levels import ROOT, machine_tag
 from common.harness import results
 
 ROUNDS = 20_000
@@ -38,8 +38,9 @@ def load() -> tuple[FFI, object]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tag", default="h100")
+    p.add_argument("--tag", default=None, help="results/<tag>/ (default: the GPU's model)")
     args = p.parse_args()
+    args.tag = args.tag or machine_tag()  # the results folder of the GPU that measures
     ffi, lib = load()
     out = ffi.new("double *")
 

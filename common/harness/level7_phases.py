@@ -17,7 +17,7 @@ import sys
 import time
 
 from common.harness.data import load_mnist, normalize
-from common.levels import ROOT
+from common.levels import ROOT, machine_tag
 from common.native import NativeMLP, ffi
 from common.nets.mlp import init_params
 from common.harness import results
@@ -35,8 +35,9 @@ def build() -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tag", default="h100")
+    p.add_argument("--tag", default=None, help="results/<tag>/ (default: the GPU's model)")
     args = p.parse_args()
+    args.tag = args.tag or machine_tag()  # the results folder of the GPU that measures
     import torch
 
     import level7_fused

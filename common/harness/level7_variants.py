@@ -20,6 +20,7 @@ import numpy as np
 from common.harness.data import load_mnist, normalize
 from common.nets.mlp import init_params
 from common.harness import results
+from common.levels import machine_tag
 
 # setting: (images, batch, hidden, variants); a variant is the knobs it sets (level7_fused/mlp.cu's opening comment)
 SETTINGS = {
@@ -44,8 +45,9 @@ def timed_epochs(model, X, y, batch: int, epochs: int = 3) -> tuple[np.ndarray, 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tag", default="h100")
+    p.add_argument("--tag", default=None, help="results/<tag>/ (default: the GPU's model)")
     args = p.parse_args()
+    args.tag = args.tag or machine_tag()  # the results folder of the GPU that measures
     import warnings
 
     from level6_cublas import MLP as Level6

@@ -23,7 +23,7 @@ import numpy as np
 from cffi import FFI
 
 from common.harness import results
-from common.levels import ROOT, THE_MLP
+from common.levels import ROOT, THE_MLP, machine_tag
 from common.native import NativeMLP
 from common.nets.mlp import N_IN, N_OUT
 
@@ -171,8 +171,9 @@ def markdown(records: list[dict], machine: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tag", default="h100", help="results/<tag>/ (default: h100)")
+    p.add_argument("--tag", default=None, help="results/<tag>/ (default: the GPU's model)")
     args = p.parse_args(argv)
+    args.tag = args.tag or machine_tag()  # the results folder of the GPU that measures
     from common.harness.compare import machine
 
     about = machine()
