@@ -331,32 +331,36 @@ def test_level7_exchange_holds_when_blocks_run_apart(factory, mnist, monkeypatch
     in_lockstep(stressed, params, X[:400], y[:400], 1, batch, lr=0.05)
 
 
-# What the sanitizer runs below drive: partial batches (200 = 15 x 13 + 5, 72 = 64 + 8, and batch 1), a forward
-# pass across FORWARD_CHUNK (1,030 = 1,024 + 6 rows), odd hidden sizes: wherever a kernel's bounds check matters.
-# The wide layer (hidden 1024) takes a step and a half and a short forward: every kernel and bound of the others,
-# at a third of the arithmetic, which racecheck pays for access by access.
+# What the sanitizer runs below drive: partial batches (200 = 15 x 13 + 5, 20 = 2 x 8 + 4, 72 = 64 + 8, and batch 1),
+# a forward pass across FORWARD_CHUNK (1,030 = 1,024 + 6 rows) at the narrow layers, odd hidden sizes: wherever a
+# kernel's bounds check matters. The chapter's layer (hidden 256, batch 8) and the wide one (hidden 1024, batch 64:
+# level 7's grid, streaming its rows) take a step and a half and a short forward. Each is a test of its own: under
+# racecheck, which pays for every shared-memory access, one takes a minute, and tests run side by side.
+SANITIZER_RUNS = {"h37-b13": (37, 13, 200, 1030), "h1-b1": (1, 1, 200, 1030), "h256-b8": (256, 8, 20, 70),
+                  "h1024-b64": (1024, 64, 72, 70)}  # (hidden, batch, rows trained, rows forward)
 MEMCHECK_SCRIPT = """
 import numpy as np, {package}
 from common.nets.mlp import init_params
 rng = np.random.default_rng(0)
 X = rng.standard_normal((1030, 784)).astype(np.float32)
 y = rng.integers(0, 10, 1030)
-for hidden, batch, rows, forward in ((37, 13, 200, 1030), (1, 1, 200, 1030), (256, 8, 200, 1030), (1024, 64, 72, 70)):
-    model = {package}.MLP(init_params(0, hidden){options})
-    model.train_epoch(X[:rows], y[:rows], batch, 0.1)
-    model.forward(X[:forward])
-    model.loss_and_grads(X[:13], y[:13])
+hidden, batch, rows, forward = {run}
+model = {package}.MLP(init_params(0, hidden){options})
+model.train_epoch(X[:rows], y[:rows], batch, 0.1)
+model.forward(X[:forward])
+model.loss_and_grads(X[:13], y[:13])
 """
 
 
 @pytest.mark.parametrize("impl", implementation_params(each_variant(OWN_KERNELS)))
+@pytest.mark.parametrize("run", SANITIZER_RUNS.values(), ids=SANITIZER_RUNS.keys())
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])
-def test_kernels_are_clean_under_compute_sanitizer(impl, factory, tool):
+def test_kernels_are_clean_under_compute_sanitizer(impl, factory, tool, run):
     """An out-of-bounds access, a shared-memory race or a misused barrier need not change a single loss;
     compute-sanitizer's memcheck, racecheck and synccheck see them."""
     lv, _, options = impl
-    sanitize(tool, MEMCHECK_SCRIPT.format(package=lv.package, options="".join(f", {k}={v!r}" for k, v in
-                                                                              options.items())))
+    sanitize(tool, MEMCHECK_SCRIPT.format(package=lv.package, run=run,
+                                          options="".join(f", {k}={v!r}" for k, v in options.items())))
 
 
 # ---- the matrix products: each level's own, and level 5's three kernels ----
