@@ -192,3 +192,43 @@ def test_the_phase_table_adds_up_to_the_whole_job():
     assert "where the 10 s went" in table and "80.0%" in table
     rest = next(line for line in table.splitlines() if line.startswith("the rest"))
     assert abs(float(rest.split()[-2]) - 2.0) < 0.01
+
+
+def test_the_lockstep_processes_share_a_private_compilation_cache_that_is_removed_after(monkeypatch):
+    """compile_cache.shared(): JAX's cache settings in the environment the worker processes inherit, a folder only
+    this user can read and write (JAX runs what a cache holds), gone after the block, the environment as before."""
+    import os
+    import stat
+
+    from common.harness import compile_cache
+
+    monkeypatch.delenv(compile_cache.FOLDER, raising=False)
+    with compile_cache.shared():
+        folder = os.environ[compile_cache.FOLDER]
+        assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
+        assert os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] == "0"
+    assert not os.path.exists(folder)
+    assert compile_cache.FOLDER not in os.environ and "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ
+
+
+def test_a_compilation_cache_the_user_set_up_is_left_as_it_is(monkeypatch, tmp_path):
+    import os
+
+    from common.harness import compile_cache
+
+    monkeypatch.setenv(compile_cache.FOLDER, str(tmp_path))
+    with compile_cache.shared():
+        assert os.environ[compile_cache.FOLDER] == str(tmp_path)
+    assert os.environ[compile_cache.FOLDER] == str(tmp_path) and tmp_path.exists()
+
+
+def test_a_later_round_times_the_first_epochs_and_the_results_say_so(tmp_path):
+    """The first round is the whole run (the one verified); a later one times LATER_ROUND_EPOCHS epochs, and the
+    timing rule, read from results.json, says so."""
+    assert compare.main(["--levels", "1,3", "--epochs", "4", "--train-size", "400", "--rounds", "2", "--jobs", "1",
+                         "--out", str(tmp_path), "--quiet"]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["settings"]["later_round_epochs"] == compare.LATER_ROUND_EPOCHS < 4
+    assert all(len(run["epoch_seconds"]) == 4 for run in results["runs"])  # the verified run: every epoch
+    assert f"each later one its first {compare.LATER_ROUND_EPOCHS} epochs" in compare.timing_rule(results["settings"])
+    assert "each later one" not in compare.timing_rule({"rounds": 3})  # results timed before: every round whole
