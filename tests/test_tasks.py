@@ -135,7 +135,11 @@ def assert_within(got, exact: np.ndarray, bound: np.ndarray, what: str, suspects
     if hint is None and not np.isfinite(got).all():
         hint = "NaN or infinity in the result"
     i = tuple(int(j) for j in np.argwhere(bad)[0])
-    detail = (f"{what}{list(i)} = {got[i]:.8g}, exact {exact[i]:.8g}: off by {err[i]:.2g}, allowed {bound[i]:.2g} "
+    if bound[i] <= 2 * np.finfo(np.float32).tiny:  # an exact check: no rounding is allowed, so none is quoted
+        allowed = "it must be exactly that"
+    else:
+        allowed = f"float32's rounding allows {bound[i]:.2g} here"
+    detail = (f"{what}{list(i)} = {got[i]:.8g}, exact {exact[i]:.8g}: off by {err[i]:.2g}, {allowed} "
               f"({int(bad.sum())} of {bad.size} entries off)")
     raise AssertionError(f"{hint}. {detail}" if hint else detail)
 
