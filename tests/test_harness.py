@@ -148,6 +148,35 @@ def test_each_variant_of_a_level_is_a_row_of_its_own():
     assert compare.row_label(level(4), "cpu", {}) == "level4[cpu]"
 
 
+def test_committed_variants_that_are_the_same_bits_launched_their_own_kernels():
+    """Level 5's three matrix products add each output's terms in one order, so their committed rows agree to the
+    last bit (loss, lockstep, accuracy): the numbers alone cannot show that each variant reached the GPU. Each row's
+    `ran` is read back from the library (mlp_get_matmul), and the same tag's profile.json, taken by the GPU's
+    profiler, must show each of those rows launching kernels of its own at that preset's size."""
+    checked = 0
+    for profile_path in sorted(ROOT.glob("results/*/profile.json")):
+        launched = {(r["level"], r["batch"], r["hidden"]): frozenset(name for name, _ in r["top_kernels"])
+                    for r in json.loads(profile_path.read_text())}
+        for preset in ("chapter", "large-b256"):
+            path = profile_path.parent / preset / "results.json"
+            if not path.exists():
+                continue
+            results = json.loads(path.read_text())
+            size = (results["settings"]["batch"], results["settings"]["hidden"])
+            same: dict[tuple, list[dict]] = {}
+            for row in results["table"]:
+                key = (row["level"].split("[")[0], row["final_loss"], row["lockstep_used"], row["test_accuracy"])
+                same.setdefault(key, []).append(row)
+            for rows in (rows for rows in same.values() if len(rows) > 1):
+                where = f"{path.relative_to(ROOT)}: {[r['level'] for r in rows]}"
+                assert len({json.dumps(r["ran"], sort_keys=True) for r in rows}) == len(rows), where
+                kernels = [launched.get((r["level"], *size)) for r in rows]
+                assert None not in kernels, f"{where}: not in {profile_path.relative_to(ROOT)} at batch, hidden {size}"
+                assert len(set(kernels)) == len(rows), f"{where}: the profile shows the same kernels"
+                checked += len(rows)
+    assert checked, "no committed rows of one level that are the same bits were checked against a profile"
+
+
 def test_adam_trains_the_levels_that_implement_it_and_says_so(tmp_path, capsys):
     """--optimizer adam: the levels that implement Adam train with it (PyTorch's lr, 1e-3, by default) and are
     verified with its state; the others are skipped with the reason; results.json records it in its settings and, read

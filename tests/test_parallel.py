@@ -4,11 +4,13 @@ compare job resumes from its journal (common/harness/compare.py's Progress)."""
 from __future__ import annotations
 
 import json
+import os
+import stat
 
 import numpy as np
 import pytest
 
-from common.harness import compare, parallel, verify
+from common.harness import compare, compile_cache, parallel, verify
 from common.harness.data import load_mnist
 from common.harness.phases import Phases
 from common.levels import level
@@ -197,11 +199,6 @@ def test_the_phase_table_adds_up_to_the_whole_job():
 def test_the_lockstep_processes_share_a_private_compilation_cache_that_is_removed_after(monkeypatch):
     """compile_cache.shared(): JAX's cache settings in the environment the worker processes inherit, a folder only
     this user can read and write (JAX runs what a cache holds), gone after the block, the environment as before."""
-    import os
-    import stat
-
-    from common.harness import compile_cache
-
     monkeypatch.delenv(compile_cache.FOLDER, raising=False)
     with compile_cache.shared():
         folder = os.environ[compile_cache.FOLDER]
@@ -212,10 +209,6 @@ def test_the_lockstep_processes_share_a_private_compilation_cache_that_is_remove
 
 
 def test_a_compilation_cache_the_user_set_up_is_left_as_it_is(monkeypatch, tmp_path):
-    import os
-
-    from common.harness import compile_cache
-
     monkeypatch.setenv(compile_cache.FOLDER, str(tmp_path))
     with compile_cache.shared():
         assert os.environ[compile_cache.FOLDER] == str(tmp_path)
