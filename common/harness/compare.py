@@ -152,19 +152,22 @@ def epoch_order(n: int, epoch: int, seed: int, shuffle: bool) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(n).astype(np.int32)
 
 
-def train(model, run: Run, params, X, y, X_test, y_test, orders, args, quiet: bool, clock: Phases) -> Run:
+def train(model, run: Run, params, X, y, X_test, y_test, orders, args, quiet: bool, clock: Phases,
+          warm_up: bool = True) -> Run:
     """The free run: args.epochs epochs, each timed on its own; stops after an epoch whose loss is not finite.
 
     First one untimed epoch, then the initial parameters back (and Adam's state forgotten): the CUDA context, library
     handles, the upload, graph captures and compilation (torch.compile's, XLA's) are done before the clock starts, so
     every timed epoch is a warm one. The first call for a run keeps its losses and predictions (the run that is
-    verified); a later call, a later round, adds its time only, over the run's first LATER_ROUND_EPOCHS epochs."""
+    verified); a later call, a later round, adds its time only, over the run's first LATER_ROUND_EPOCHS epochs. An
+    untimed run (an honest run) needs no warm-up."""
     first = not run.rounds
-    with clock(f"{run.label}: warm-up epoch"):
-        model.train_epoch(X, y, args.batch, args.lr, orders[0])
-        model.load_state_dict(params)
-        if "optimizer" in run.asked:  # Adam's moments and step count forgotten too: the timed run starts at a first
-            model.load_optimizer_state({})  # step, as the lockstep's does, not with the warm-up epoch's moments
+    if warm_up:
+        with clock(f"{run.label}: warm-up epoch"):
+            model.train_epoch(X, y, args.batch, args.lr, orders[0])
+            model.load_state_dict(params)
+            if "optimizer" in run.asked:  # Adam's moments and step count forgotten too: the timed run starts at a
+                model.load_optimizer_state({})  # first step, as the lockstep's does, not with the warm-up's moments
     run.ran = model.variant()
     if why := mismatch(run.asked, run.ran):  # never time one thing under another's name
         run.failure = f"ran something else than its row says: {why}"
@@ -191,8 +194,8 @@ def train(model, run: Run, params, X, y, X_test, y_test, orders, args, quiet: bo
 def verify_runs(runs: list[Run], params, X, y, X_test, y_test, orders, args, quiet: bool, clock: Phases,
                 workers: Phases) -> Run:
     """Set each run's verdict: diverged, or lockstep and free run against level 1 (runs[0]). Returns level 1's float64
-    twin's run, the yardstick of the free runs, made beside the lockstep where it runs in --jobs processes (whose time
-    by level `workers` gets)."""
+    twin's run; it and level 1's reruns with permuted rows (honest_runs), the yardstick of the free runs, are made
+    beside the lockstep where it runs in --jobs processes (whose time by level `workers` gets)."""
     reference, network, optimizer = runs[0], args.network, args.optimizer
     twin_options = {"dtype": "float64", **optimizer.options}
     twin = Run("level1[cpu, float64]", 1, "cpu", factory(level(1), "cpu", network, **twin_options),
@@ -203,14 +206,13 @@ def verify_runs(runs: list[Run], params, X, y, X_test, y_test, orders, args, qui
     checked = [run for run in runs[1:] if not run.failure]
     if args.jobs > 1 and checked and not reference.failure:
         data = TrainingData(args.train_size, args.repeat)
-        records, reference_diverged, twin = parallel.lockstep(
+        records, reference_diverged, (twin, *samples) = parallel.lockstep(
             {run.label: run.factory for run in checked}, params, data, orders, args.batch, args.lr, args.jobs,
-            network, optimizer, clock, workers, partial(twin_run, twin, params, data, orders, args.batch, args.lr),
+            network, optimizer, clock, workers,
+            partial(honest_runs_of, twin, reference, params, data, orders, args.batch, args.lr),
             compiling=frozenset(run.label for run in checked if run.factory.peer in COMPILING))
     else:
-        with clock(f"{twin.label}: made"):
-            model = twin.factory(params)
-        twin = train(model, twin, params, X, y, X_test, y_test, orders, args, quiet, clock)
+        twin, *samples = honest_runs(twin, reference, params, X, y, X_test, y_test, orders, args, clock)
         if reference.failure:
             for run in runs[1:]:
                 run.failure = run.failure or f"not verified: the reference {reference.label} {reference.failure}"
@@ -221,7 +223,8 @@ def verify_runs(runs: list[Run], params, X, y, X_test, y_test, orders, args, qui
         records, reference_diverged = verify.lockstep(models, params, X, y, orders, args.batch, args.lr, quiet,
                                                       network, optimizer, steps)
         clock.merge(steps.seconds, "lockstep: ")
-    noise = verify.free_run_noise(reference.losses, twin.losses, reference.predictions, twin.predictions, args.epochs)
+    noise = verify.free_run_noise(reference.losses, twin.losses, reference.predictions, twin.predictions, args.epochs,
+                                  [(sample.losses, sample.predictions) for sample in samples])
     for run in checked:
         record = records[run.label]
         run.lockstep = {**record.summary(), "record": record}
@@ -463,12 +466,25 @@ class TrainingData:
         return X, y
 
 
-def twin_run(twin: Run, params, data: TrainingData, orders, batch: int, lr: float) -> Run:
-    """Level 1's float64 twin's free run (train, untimed), in a worker process beside the lockstep."""
+def honest_runs(twin: Run, reference: Run, params, X, y, X_test, y_test, orders, args, clock: Phases) -> list[Run]:
+    """Level 1's honest runs, the yardstick of float32 noise (verify.free_run_noise), untimed: its float64 twin's, then
+    verify.HONEST_SAMPLES of level 1's own with the rows of each batch permuted."""
+    samples = [Run(f"{reference.label} rows permuted ({k})", 1, reference.device, reference.factory, reference.asked)
+               for k in range(1, verify.HONEST_SAMPLES + 1)]
+    for k, run in enumerate([twin, *samples]):
+        run_orders = [verify.rows_permuted(order, args.batch, k) for order in orders] if k else orders
+        with clock(f"{run.label}: made"):
+            model = run.factory(params)
+        train(model, run, params, X, y, X_test, y_test, run_orders, args, True, clock, warm_up=False)
+    return [twin, *samples]
+
+
+def honest_runs_of(twin: Run, reference: Run, params, data: TrainingData, orders, batch: int, lr: float) -> list[Run]:
+    """honest_runs in a worker process beside the lockstep: the training set read again there."""
     X, y = data()
     test = load_mnist(quiet=True)
-    return train(twin.factory(params), twin, params, X, y, normalize(test.test_images), test.test_labels, orders,
-                 argparse.Namespace(batch=batch, lr=lr), True, Phases())
+    return honest_runs(twin, reference, params, X, y, normalize(test.test_images), test.test_labels, orders,
+                       argparse.Namespace(batch=batch, lr=lr), Phases())
 
 
 def run_settings(args) -> dict:
