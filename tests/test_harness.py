@@ -134,7 +134,85 @@ def test_a_row_says_what_ran_and_fails_when_the_model_ran_something_else(tmp_pat
     assert "FAIL: level3[cpu] ran something else than its row says: device 'cpu' asked for, 'cuda' ran" in \
         capsys.readouterr().out
     rows = json.loads((tmp_path / "results.json").read_text())["table"]
-    assert rows[0]["ran"] == {"device": "cpu", "dtype": "float32"} and rows[1]["ran"] == {"device": "cuda"}
+    assert rows[0]["ran"] == {"device": "cpu", "dtype": "float32", "threads": 1}  # threads: read from torch
+    assert rows[1]["ran"] == {"device": "cuda"}
+
+
+def test_level1_on_the_cpu_runs_on_one_thread_at_a_small_step_and_says_what_ran(tmp_path, monkeypatch, capsys):
+    """Level 1's threads spin while they wait for each other: below ONE_THREAD_BELOW FLOPs a step (the chapter's batch
+    8) its row is timed on one PyTorch thread, above it on PyTorch's default; either way the row records the count
+    read back from torch during its run, the table says it, and the process's setting is left as it was."""
+    import torch
+
+    default = torch.get_num_threads()
+    assert compare.cpu_threads(get("mlp"), 8, 256) == 1 and compare.cpu_threads(get("mlp"), 256, 1024) is None
+    seen = []
+    cls = level(1).load()
+    original = cls.train_epoch
+    monkeypatch.setattr(cls, "train_epoch", lambda self, *a, **k: seen.append(torch.get_num_threads())
+                        or original(self, *a, **k))
+    for batch, threads in ((8, 1), (64, default)):  # 10 and 78 MFLOP a step
+        args = ["--levels", "1", "--epochs", "1", "--train-size", "128", "--batch", str(batch), "--out", str(tmp_path),
+                "--quiet"]
+        seen.clear()
+        assert compare.main(args) == 0
+        results = json.loads((tmp_path / "results.json").read_text())
+        # the estimate's first steps, the warm-up and the timed epoch; then the float64 twin, then lockstep (one thread)
+        assert results["table"][0]["ran"]["threads"] == threads and seen[:4] == [threads] * 4
+        assert f"level1[cpu] on {threads} PyTorch thread" in capsys.readouterr().out
+        assert torch.get_num_threads() == default
+
+
+def test_a_busy_machine_is_named_and_a_quiet_one_is_not(tmp_path, monkeypatch, capsys):
+    """The fixed loop timed before and after the timed rows, the CPU time other programs took meanwhile and the load
+    average: past BUSY_RATIO, BUSY_CORES or the core count, one warning line, recorded in results.json (and in the
+    Markdown table); a steady machine gets none. Made-up clocks and counters: this test's own machine may be busy."""
+    quiet = {"load_average": 0.5, "cpu_s": 100.0, "own_cpu_s": 10.0, "wall_s": 1000.0}
+    later = {"load_average": 1.0, "cpu_s": 111.0, "own_cpu_s": 20.0, "wall_s": 1010.0}  # others: 1 s in 10
+    assert compare.busy(quiet, later, [0.2, 0.22], 2) == (None, pytest.approx(0.1))
+    why, others = compare.busy(quiet, {**later, "cpu_s": 120.0}, [0.2, 0.22], 2)
+    assert others == pytest.approx(1.0) and why == "other programs used 1.0 of its 2 cores"
+    assert "more than 1.3x apart" in compare.busy(quiet, later, [0.2, 0.5], 2)[0]
+    assert compare.busy(quiet, {**later, "load_average": 2.5}, [0.2, 0.2], 2)[0] == ("the load average reached 2.5 "
+                                                                                      "on 2 cores")
+    assert compare.busy({**quiet, "cpu_s": None}, later, [0.2, 0.2], 2) == (None, None)  # no /proc/stat: not known
+
+    args = ["--levels", "1,3", "--epochs", "1", "--train-size", "64", "--out", str(tmp_path), "--quiet"]
+    for calibration, warned in (([0.2, 0.21], False), ([0.2, 0.5], True)):
+        times = iter(calibration)
+        counters = iter([quiet, later])
+        monkeypatch.setattr(compare, "calibrate", lambda: next(times))
+        monkeypatch.setattr(compare, "snapshot", lambda: next(counters))
+        assert compare.main(args) == 0
+        out = capsys.readouterr().out
+        assert ("WARNING: the machine was busy while the rows were timed" in out) == warned
+        results = json.loads((tmp_path / "results.json").read_text())
+        assert (results["busy"] is not None) == warned and results["load"]["calibration_s"] == calibration
+        assert ("**Measured on a busy machine**" in bench.markdown_table(results)) == warned
+
+
+def test_the_table_fits_a_terminal_says_its_units_and_sums_up_the_ties(tmp_path, capsys):
+    """The default view: at most 110 columns, even with four peers (the committed H100 run, an older results.json),
+    the units under it; --wide and the Markdown table keep every column. One line sums up the ties by level; --verbose
+    lists them. Before training the job says how long it will take, and at the end how long it took."""
+    committed = json.loads((ROOT / "results/h100/chapter/results.json").read_text())["table"]
+    text = compare.table(committed) + "\n" + compare.legend(committed)
+    assert max(map(len, text.splitlines())) <= 115 and "vs jax" in text and "GFLOP/s" not in text
+    assert "1.00 = the limit" in text and "us/step: microseconds per training step" in text
+    assert "GFLOP/s" in compare.table(committed, wide=True) and "| train s |" in compare.table(committed, markdown=True)
+    args = ["--levels", "1,3,4", "--epochs", "1", "--train-size", "496", "--out", str(tmp_path), "--quiet"]
+    assert compare.main(args) == 0
+    out = capsys.readouterr().out
+    assert "this will take about" in out and "took " in out and "(estimated: about" in out
+    assert "ties found and explained (not failures; --verbose lists them): level3[cpu] 1 at step 58;" in out
+    assert "tie: " not in out and "where the" not in out
+    assert compare.main(args + ["--verbose", "--wide"]) == 0
+    out = capsys.readouterr().out
+    assert "tie: level3[cpu] at step 58" in out and "where the" in out and "GFLOP/s" in out
+    assert compare.ties_line([compare.Run("level4[cpu]", 4, "cpu", None, lockstep={"ties": [{"step": s} for s in
+                                                                                         (3, 9, 27, 81)]})]) \
+        .endswith("level4[cpu] 4 at steps 3, 9, 27 and 1 more")
+    assert compare.duration(42) == "42 s" and compare.duration(200) == "3 min 20 s"
 
 
 def test_each_variant_of_a_level_is_a_row_of_its_own():
@@ -194,7 +272,8 @@ def test_adam_trains_the_levels_that_implement_it_and_says_so(tmp_path, capsys):
     lockstep = results["runs"][1]["lockstep"]
     assert lockstep["failure"] is None and lockstep["steps"] == 8
     assert {"fc1.weight", "fc1.weight.exp_avg", "fc1.weight.exp_avg_sq"} <= set(lockstep["update_err"])
-    assert results["runs"][-1]["ran"] == {"device": "cpu", "dtype": "float64", "optimizer": "adam"}  # the twin
+    assert results["runs"][-1]["ran"] == {"device": "cpu", "dtype": "float64", "optimizer": "adam",  # the twin
+                                          "threads": 1}
 
 
 def test_a_level_that_trains_with_another_optimizer_than_asked_fails(tmp_path, monkeypatch, capsys):

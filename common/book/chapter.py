@@ -199,6 +199,9 @@ def show_results(results: dict | str | Path, plots: bool = True, rows=None) -> N
           f"rules (common/harness/verify.py): {rules}\n{compare.timing_rule(s)}\n")
     table = [r for r in results["table"] if rows is None or r["level"] in rows]
     compare.print_table(table)
+    if results.get("busy"):
+        print(f"WARNING: the machine was busy while the rows were timed ({results['busy']}): their times are not to be "
+              "trusted")
     for r in table:
         if "written as" in r.get("ran", {}):
             print(f"  {r['level']}: {r['ran']['written as']}")

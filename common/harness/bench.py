@@ -139,6 +139,8 @@ def markdown_table(results: dict) -> str:
         compare.table(results["table"], markdown=True),
     ]
     lines += [f"| {name}[cuda] | not run: {why} |" for name, why in results.get("peers_not_run", {}).items()]
+    if results.get("busy"):  # recorded since the check of the machine's load (compare.busy); older files have none
+        lines += ["", f"**Measured on a busy machine** ({results['busy']}): these times are not to be trusted."]
     peers = [row for row in results["table"] if "written as" in row.get("ran", {})]
     if peers:
         lines += ["", "The peers, as written: " + "; ".join(f"{row['level']}: {row['ran']['written as']}"
@@ -272,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         extra += (QUICK[preset] + ["--rounds", "1"] if args.quick else ["--rounds", str(args.rounds)])
         extra += ["--resume"] if args.resume else []
         with clock(preset):
-            status |= compare.main(PRESETS[preset] + extra + ["--out", str(RESULTS / tag / preset), "--quiet"])
+            status |= compare.main(PRESETS[preset] + extra + ["--out", str(RESULTS / tag / preset), "--quiet",
+                                                   "--verbose"])
     if args.profile and gpu_available():
         print("\n=== where a GPU step's time goes ===", flush=True)
         profile = profile_gpu(QUICK_PROFILE_STEPS if args.quick else 400, clock)

@@ -10,6 +10,12 @@ the CPU, the gold standard, by the two checks of common/harness/verify.py: locks
 free run against float32 noise measured by level 1's float64 twin. Writes results.json and two plots
 (loss_curves.png, lockstep.png) to the output folder, prints one table, and exits non-zero when a level
 fails a check or diverges (on a GPU the peers of level1_pytorch/peers.py are checked too; their verdicts are reported).
+
+Before training it says how long the job will take (estimate), and at the end how long it took. Level 1 on the CPU
+is timed on one PyTorch thread at a small step (ONE_THREAD_BELOW), and its row says how many it ran on. The machine's
+load is checked around the timed rows (busy): where other programs took the cores, one WARNING line says the times
+are not to be trusted, and results.json records why. --wide shows every column, --verbose where the time went and
+each tie.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -49,6 +56,28 @@ STEADY_RATIO = 1.2
 LATER_ROUND_EPOCHS = 3
 PROGRESS = "progress.jsonl"  # the rounds timed so far, a line after each row's round, for --resume
 PARALLEL_FROM = 20_000  # level-steps (a level's step checked in lockstep) from which the lockstep runs in processes
+# PyTorch's threads on the CPU wait for each other by spinning: on a small step they wait more than they work, and
+# where another process holds a core they lose it and the step slows severalfold. Measured on 2 cores, level 1 at
+# batch 8 (10 MFLOP a step): 578 us/step on one thread, 623 on two; with one busy process beside it, 617 and 3,007.
+# Two threads pay from batch 32 (26 MFLOP: 842 and 760). So level 1 on the CPU runs on one thread below this many
+# FLOPs a step, as a user on a laptop should run it, and on PyTorch's default (a thread per core) above.
+ONE_THREAD_BELOW = 20e6
+# The machine's load, checked around the timed rows (busy): a fixed loop (calibrate) timed before and after them, whose
+# two times may differ by at most this factor, and the load average (1 minute), which may not pass the core count ...
+BUSY_RATIO = 1.3
+# ... and the CPU time the other programs took meanwhile, in cores (Linux): NumPy's BLAS threads, like PyTorch's, spin
+# while they wait for each other, so a program beside them on one core slows a multi-threaded row severalfold (level 3
+# at batch 8 ran 4,734 us/step here, against 396 on a quiet machine, while two other programs used a core on average).
+BUSY_CORES = 0.5
+# The estimate of a job's time before it starts (estimate): every step at level 1's pace, measured on PACE_STEPS steps;
+# a step of the float64 twin costs TWIN_COST of level 1's, a level's step checked in lockstep LOCKSTEP_COST (level 1's
+# step on one thread, its float64 step, the level's, the comparison and the search for ties), plus FIXED_S (imports,
+# the checks of the machine's load, the plots). Read from results/cpu-2core/chapter (2 cores: 182 s in all, level 1 at
+# 387 us/step) and from small runs on the same machine; an estimate within a factor of two, not a promise.
+PACE_STEPS = 64
+TWIN_COST = 1.5
+LOCKSTEP_COST = 15.0
+FIXED_S = 8.0
 
 
 @dataclass
@@ -152,6 +181,26 @@ def epoch_order(n: int, epoch: int, seed: int, shuffle: bool) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(n).astype(np.int32)
 
 
+def cpu_threads(network: Network, batch: int, hidden: int) -> int | None:
+    """The PyTorch threads level 1 on the CPU is timed with: one for a step under ONE_THREAD_BELOW FLOPs, else None
+    (PyTorch's default, a thread per core)."""
+    return 1 if network.network.flops_per_step(batch, hidden) < ONE_THREAD_BELOW else None
+
+
+def threads_of(run: Run):
+    """The block in which a run trains: on the threads its row asks for (verify.torch_threads), else as it is."""
+    return verify.torch_threads(run.asked["threads"]) if "threads" in run.asked else nullcontext()
+
+
+def ran(model, run: Run) -> dict:
+    """What a model says it computed with (its variant()), and for PyTorch on the CPU its threads, read from torch."""
+    if run.level != 1 or run.device != "cpu":
+        return model.variant()
+    import torch
+
+    return {**model.variant(), "threads": torch.get_num_threads()}
+
+
 def train(model, run: Run, params, X, y, X_test, y_test, orders, args, quiet: bool, clock: Phases,
           warm_up: bool = True) -> Run:
     """The free run: args.epochs epochs, each timed on its own; stops after an epoch whose loss is not finite.
@@ -161,34 +210,110 @@ def train(model, run: Run, params, X, y, X_test, y_test, orders, args, quiet: bo
     every timed epoch is a warm one. The first call for a run keeps its losses and predictions (the run that is
     verified); a later call, a later round, adds its time only, over the run's first LATER_ROUND_EPOCHS epochs. An
     untimed run (an honest run) needs no warm-up."""
-    first = not run.rounds
-    if warm_up:
-        with clock(f"{run.label}: warm-up epoch"):
-            model.train_epoch(X, y, args.batch, args.lr, orders[0])
-            model.load_state_dict(params)
-            if "optimizer" in run.asked:  # Adam's moments and step count forgotten too: the timed run starts at a
-                model.load_optimizer_state({})  # first step, as the lockstep's does, not with the warm-up's moments
-    run.ran = model.variant()
-    if why := mismatch(run.asked, run.ran):  # never time one thing under another's name
-        run.failure = f"ran something else than its row says: {why}"
-    seconds = []
-    timed = time.perf_counter()
-    for order in tqdm(orders if first else orders[:LATER_ROUND_EPOCHS], desc=run.label, disable=quiet, leave=False):
-        start = time.perf_counter()
-        losses = model.train_epoch(X, y, args.batch, args.lr, order)  # returns host memory: the GPU is done
-        seconds.append(time.perf_counter() - start)
+    with threads_of(run):  # level 1 on the CPU: on the threads its row asks for (ONE_THREAD_BELOW)
+        first = not run.rounds
+        if warm_up:
+            with clock(f"{run.label}: warm-up epoch"):
+                model.train_epoch(X, y, args.batch, args.lr, orders[0])
+                model.load_state_dict(params)
+                if "optimizer" in run.asked:  # Adam's moments and step count forgotten too: the timed run starts at
+                    model.load_optimizer_state({})  # a first step, as the lockstep's does, not the warm-up's moments
+        run.ran = ran(model, run)
+        if why := mismatch(run.asked, run.ran):  # never time one thing under another's name
+            run.failure = f"ran something else than its row says: {why}"
+        seconds = []
+        timed = time.perf_counter()
+        for order in tqdm(orders if first else orders[:LATER_ROUND_EPOCHS], desc=run.label, disable=quiet,
+                          leave=False):
+            start = time.perf_counter()
+            losses = model.train_epoch(X, y, args.batch, args.lr, order)  # returns host memory: the GPU is done
+            seconds.append(time.perf_counter() - start)
+            if first:
+                run.losses.extend(losses.tolist())
+            if not np.isfinite(losses).all():
+                break
+        run.rounds.append(float(np.median(seconds)))
+        clock.add(f"{run.label}: timed epochs", time.perf_counter() - timed)
         if first:
-            run.losses.extend(losses.tolist())
-        if not np.isfinite(losses).all():
-            break
-    run.rounds.append(float(np.median(seconds)))
-    clock.add(f"{run.label}: timed epochs", time.perf_counter() - timed)
-    if first:
-        run.epoch_seconds = seconds
-        with clock(f"{run.label}: the test set"):
-            run.predictions = model.forward(X_test).argmax(axis=1)
-        run.test_accuracy = float((run.predictions == y_test).mean())
-    return run
+            run.epoch_seconds = seconds
+            with clock(f"{run.label}: the test set"):
+                run.predictions = model.forward(X_test).argmax(axis=1)
+            run.test_accuracy = float((run.predictions == y_test).mean())
+        return run
+
+
+def pace(run: Run, params, X, y, args) -> float:
+    """Seconds a step of level 1 (the run) takes here, now: a fresh model's first steps (after 8 untimed), on its
+    row's threads."""
+    model, steps = run.factory(params), min(PACE_STEPS, -(-len(X) // args.batch))
+    with threads_of(run):
+        model.train_epoch(X[: 8 * args.batch], y[: 8 * args.batch], args.batch, args.lr)
+        start = time.perf_counter()
+        model.train_epoch(X[: steps * args.batch], y[: steps * args.batch], args.batch, args.lr)
+        return (time.perf_counter() - start) / steps
+
+
+def estimate(rows: int, steps: int, step_s: float, args) -> float:
+    """Seconds the job will take, roughly, at level 1's pace (step_s) for every step: each row's epochs (and its
+    warm-up epoch) in each round (a later one LATER_ROUND_EPOCHS of them), level 1's honest runs (the float64 twin's
+    at TWIN_COST, and its reruns), and the lockstep's steps at LOCKSTEP_COST, over --jobs; and FIXED_S."""
+    epochs = args.epochs + 1 + (args.rounds - 1) * (min(LATER_ROUND_EPOCHS, args.epochs) + 1)
+    training = rows * epochs * steps + (TWIN_COST + verify.HONEST_SAMPLES) * args.epochs * steps
+    lockstep = LOCKSTEP_COST * (rows - 1) * args.epochs * steps / args.jobs
+    return FIXED_S + step_s * (training + lockstep)
+
+
+def calibrate() -> float:
+    """Seconds of a fixed piece of work, Python's and NumPy's (a product on BLAS's threads, which lose their cores to
+    another process as PyTorch's do): the median of three, after one untimed: about 0.3 s on a quiet machine."""
+    a, b = np.ones((128, 784), np.float32), np.ones((784, 256), np.float32)
+
+    def work() -> float:
+        start = time.perf_counter()
+        total = 0
+        for i in range(100_000):
+            total += i * i
+        for _ in range(50):
+            a @ b
+        return time.perf_counter() - start
+
+    work()
+    return float(np.median([work() for _ in range(3)]))
+
+
+def snapshot() -> dict:
+    """The machine's counters at a moment: the load average over the last minute, the CPU seconds every process has
+    used (Linux's /proc/stat; None elsewhere) and this job's, and the clock."""
+    try:
+        with open("/proc/stat") as stat:  # cpu  user nice system idle iowait irq softirq steal ...
+            ticks = [int(x) for x in stat.readline().split()[1:9]]
+        everyone = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+    except (OSError, ValueError, IndexError):
+        everyone = None
+    ours = os.times()
+    return {"load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None, "cpu_s": everyone,
+            "own_cpu_s": ours.user + ours.system + ours.children_user + ours.children_system,
+            "wall_s": time.perf_counter()}
+
+
+def busy(before: dict, after: dict, calibration: list[float], cores: int) -> tuple[str | None, float | None]:
+    """Why the machine was too busy while the rows were timed (between two snapshots, the fixed loop timed just before
+    and just after) for their times to be trusted, or None; and how many cores the other programs used on average,
+    where the system says. Too busy: the others used more than BUSY_CORES, or the loop's two times are more than
+    BUSY_RATIO apart, or the load average passed the core count."""
+    why, others = [], None
+    if before["cpu_s"] is not None and after["cpu_s"] is not None:
+        wall = max(after["wall_s"] - before["wall_s"], 1e-9)
+        others = max(after["cpu_s"] - before["cpu_s"] - (after["own_cpu_s"] - before["own_cpu_s"]), 0.0) / wall
+        if others > BUSY_CORES:
+            why.append(f"other programs used {others:.1f} of its {cores} cores")
+    first, last = calibration
+    if max(first, last) > BUSY_RATIO * min(first, last):
+        why.append(f"a fixed loop took {first * 1e3:.0f} ms before the timed rows and {last * 1e3:.0f} ms after, more "
+                   f"than {BUSY_RATIO}x apart")
+    if (high := max(x for x in (before["load_average"], after["load_average"], 0.0) if x is not None)) > cores:
+        why.append(f"the load average reached {high:.1f} on {cores} cores")
+    return "; ".join(why) or None, others
 
 
 def verify_runs(runs: list[Run], params, X, y, X_test, y_test, orders, args, quiet: bool, clock: Phases,
@@ -198,8 +323,9 @@ def verify_runs(runs: list[Run], params, X, y, X_test, y_test, orders, args, qui
     beside the lockstep where it runs in --jobs processes (whose time by level `workers` gets)."""
     reference, network, optimizer = runs[0], args.network, args.optimizer
     twin_options = {"dtype": "float64", **optimizer.options}
+    threads = {k: v for k, v in reference.asked.items() if k == "threads"}  # level 1's, as the rule set them
     twin = Run("level1[cpu, float64]", 1, "cpu", factory(level(1), "cpu", network, **twin_options),
-               {"device": "cpu", **twin_options})
+               {"device": "cpu", **twin_options, **threads})
     for run in runs:
         if (why := verify.divergence(run.losses, args.lr, X)) is not None:
             run.failure = run.failure or why
@@ -311,12 +437,13 @@ def summarize(runs: list[Run], args, steps_per_epoch: int) -> list[dict]:
     return rows
 
 
-def _times(r: dict) -> str:
-    """us/step: the median of the rounds, with their range when there are several; withheld when they disagree."""
+def _times(r: dict, wide: bool = True) -> str:
+    """us/step: the median of the rounds, with their range when there are several (wide); withheld when they
+    disagree."""
     low, high = r["us_per_step_range"]
     if not r["steady"]:
-        return f"unsteady {low:.1f}-{high:.1f}"
-    return f"{r['us_per_step']:.1f}" + (f" ({low:.1f}-{high:.1f})" if r["rounds"] > 1 else "")
+        return f"unsteady {low:.1f}-{high:.1f}" if wide else "unsteady"
+    return f"{r['us_per_step']:.1f}" + (f" ({low:.1f}-{high:.1f})" if wide and r["rounds"] > 1 else "")
 
 
 def _verdict(r: dict) -> str:
@@ -327,43 +454,61 @@ def _number(value, spec: str, suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
-def table(rows: list[dict], markdown: bool = False) -> str:
+def table(rows: list[dict], markdown: bool = False, wide: bool = False) -> str:
     """The results table, as text (a terminal, a chapter) or Markdown (README, results/README.md): speed against
     level 1 and each peer of this run, and the two checks against level 1. lockstep and free run: the largest share of
-    its tolerance a level used (1.00 = at the limit; above: FAIL). Every table of the course is written here."""
+    its allowance a level used (1.00 = at the limit; above: FAIL). The text's default view fits a terminal (about 110
+    columns with four peers); wide (and Markdown) adds the train time, the rounds' range, steps/s, GFLOP/s, the loss
+    and the test accuracy. Every table of the course is written here; legend() says what its columns mean."""
+    wide = wide or markdown
     peers = [short for short in PEERS.values() if any(r.get(f"speedup_vs_{short}") for r in rows)]
-    columns = [  # (heading, text width, the cell of a row)
-        ("implementation", -19, lambda r: r["level"]),
-        ("train s", 9, lambda r: f"{r['train_s']:.2f}"),
-        ("us/step" + (" (range)" if any(r["rounds"] > 1 for r in rows) else ""), 24, _times),
-        ("steps/s", 9, lambda r: _number(r["steps_per_s"], ".0f")),
-        ("vs L1 cpu", 10, lambda r: _number(r["speedup_vs_level1"], ".2f", "x")),
-        *((f"vs {short}", 10, lambda r, short=short: _number(r.get(f"speedup_vs_{short}"), ".2f", "x"))
+    columns = [  # (heading, left-aligned, the cell of a row, in the default view)
+        ("implementation", True, lambda r: r["level"], True),
+        ("train s", False, lambda r: f"{r['train_s']:.2f}", False),
+        ("us/step" + (" (range)" if wide and any(r["rounds"] > 1 for r in rows) else ""), False,
+         partial(_times, wide=wide), True),
+        ("steps/s", False, lambda r: _number(r["steps_per_s"], ".0f"), False),
+        ("vs L1 cpu", False, lambda r: _number(r["speedup_vs_level1"], ".2f", "x"), True),
+        *((f"vs {short}", False, lambda r, short=short: _number(r.get(f"speedup_vs_{short}"), ".2f", "x"), True)
           for short in peers),
-        ("GFLOP/s", 9, lambda r: _number(r["gflops"], ".2f")),
-        ("loss", 8, lambda r: f"{r['final_loss']:.4f}"),
-        ("test acc", 9, lambda r: f"{r['test_accuracy']:.4f}"),
-        ("lockstep", 9, lambda r: _number(r["lockstep_used"], ".2f")),
-        ("ties", 5, lambda r: _number(r["ties"], "d")),
-        ("free run", 9, lambda r: _number(r["free_run_used"], ".2f")),
-        ("check", -9, _verdict),
+        ("GFLOP/s", False, lambda r: _number(r["gflops"], ".2f"), False),
+        ("loss", False, lambda r: f"{r['final_loss']:.4f}", False),
+        ("test acc", False, lambda r: f"{r['test_accuracy']:.4f}", False),
+        ("lockstep", False, lambda r: _number(r["lockstep_used"], ".2f"), True),
+        ("ties", False, lambda r: _number(r["ties"], "d"), True),
+        ("free run", False, lambda r: _number(r["free_run_used"], ".2f"), True),
+        ("check", True, _verdict, True),
     ]
+    columns = [(head, left, cell) for head, left, cell, default in columns if wide or default]
     cells = [[cell(r) for _, _, cell in columns] for r in rows]
     if markdown:
         lines = ["| " + " | ".join(head for head, _, _ in columns) + " |",
-                 "|" + "".join("---|" if width < 0 else "---:|" for _, width, _ in columns)]
+                 "|" + "".join("---|" if left else "---:|" for _, left, _ in columns)]
         return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in cells])
-    widths = [max(abs(width), len(head), *(len(row[i]) for row in cells)) for i, (head, width, _) in
-              enumerate(columns)]
-    align = [(str.ljust if width < 0 else str.rjust) for _, width, _ in columns]
+    widths = [max(len(head), *(len(row[i]) for row in cells)) for i, (head, _, _) in enumerate(columns)]
+    align = [(str.ljust if left else str.rjust) for _, left, _ in columns]
     head = "  ".join(a(h, w) for (h, _, _), a, w in zip(columns, align, widths)).rstrip()
     return "\n".join([head, "-" * len(head)] + ["  ".join(a(c, w) for c, a, w in zip(row, align, widths)).rstrip()
                                                  for row in cells])
 
 
-def print_table(rows: list[dict]) -> None:
-    """The table a student reads, as text."""
-    print(table(rows))
+def legend(rows: list[dict]) -> str:
+    """What the table's numbers are, in lines under it: the units, and the threads level 1 ran on where it says."""
+    accuracy = next((f" (level 1's: {r['test_accuracy']:.4f})" for r in rows if r["level"] == REFERENCE), "")
+    lines = ["us/step: microseconds per training step; vs X: X's time per step over this row's (2.00x: twice as fast).",
+             "lockstep, free run: the largest share of its allowance a check used, 1.00 = the limit (above: FAIL).",
+             f"The free run checks each epoch's mean loss and test accuracy{accuracy}; ties: lockstep's, explained."]
+    threads = [f"{r['level']} on {n} PyTorch thread{'s' if n > 1 else ''}" for r in rows
+               if (n := r.get("ran", {}).get("threads"))]
+    if threads:
+        lines.append(f"threads, read from torch: {', '.join(threads)} (one below {ONE_THREAD_BELOW / 1e6:.0f} MFLOP "
+                     "a step:\n  a small step's threads wait for each other more than they work).")
+    return "\n".join(lines)
+
+
+def print_table(rows: list[dict], wide: bool = False) -> None:
+    """The table a student reads, as text, and its legend."""
+    print(table(rows, wide=wide) + "\n" + legend(rows))
 
 
 def plot(runs: list[Run], twin: Run, out: Path, title: str, epochs: int) -> None:
@@ -399,6 +544,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    f"{PROGRESS} (a run of the same settings that was stopped), and time the rest")
     p.add_argument("--jobs", type=int, default=None, help="processes for the lockstep (default: one for a run of "
                    f"fewer than {PARALLEL_FROM:,} level-steps, else one per core)")
+    p.add_argument("--wide", action="store_true", help="the table with every column: train time, the rounds' range, "
+                   "steps/s, GFLOP/s, the loss and the test accuracy (results.json has them all)")
+    p.add_argument("--verbose", action="store_true", help="also where the time went, phase by phase, and each tie")
     p.add_argument("--rounds", type=int, default=1, help="time every row this many times, in rounds over the rows "
                    f"(make bench: 3); a row whose rounds differ by more than {STEADY_RATIO}x is flagged, not published")
     args = p.parse_args(argv)
@@ -489,7 +637,8 @@ def honest_runs_of(twin: Run, reference: Run, params, data: TrainingData, orders
 
 def run_settings(args) -> dict:
     """The settings a run's numbers depend on, as results.json records them."""
-    settings = {k: v for k, v in vars(args).items() if k not in ("out", "quiet", "no_peers", "network", "resume")}
+    shown = ("out", "quiet", "no_peers", "network", "resume", "wide", "verbose")  # how it runs and shows, not what
+    settings = {k: v for k, v in vars(args).items() if k not in shown}
     settings["optimizer"] = args.optimizer.name
     if not args.network.has_hidden:
         del settings["hidden"]
@@ -541,7 +690,8 @@ def row_time(run: Run, steps_per_epoch: int) -> str:
     low, high = (1e6 * t / steps_per_epoch for t in (min(run.rounds), max(run.rounds)))
     if not steady(run):
         return f"unsteady, {low:.1f}-{high:.1f} us/step"
-    return f"{1e6 * float(np.median(run.rounds)) / steps_per_epoch:.1f} us/step ({low:.1f}-{high:.1f})"
+    spread = f" ({low:.1f}-{high:.1f})" if len(run.rounds) > 1 else ""
+    return f"{1e6 * float(np.median(run.rounds)) / steps_per_epoch:.1f} us/step{spread}"
 
 
 def rows_to_run(args) -> tuple[list[Run], dict[str, str]]:
@@ -558,8 +708,9 @@ def rows_to_run(args) -> tuple[list[Run], dict[str, str]]:
         for options in network.variants(lv.number):  # LeNet's levels 4 and 5: two convolutions; the MLP's 5: three
             label = row_label(lv, device, options)
             options = options | optimizer.options  # every row trains with it: the heading says so, not the label
+            threads = cpu_threads(network, args.batch, args.hidden) if (lv.number, device) == (1, "cpu") else None
             runs.append(Run(label, lv.number, device, factory(lv, device, network, **options),
-                            {"device": device, **options}))
+                            {"device": device, **options, **({"threads": threads} if threads else {})}))
     absent = {}
     if gpu_available() and not args.no_peers:
         absent = missing_peers(network) | {name: f"it trains with {optimizers.SGD.title} only, not {optimizer.title}"
@@ -599,6 +750,17 @@ def job(args: argparse.Namespace) -> int:
     measured_on = machine()
     progress = Progress(args.out / PROGRESS, {**run_settings(args), "data": data.source, "gpu": measured_on.get("gpu")})
     progress.restore(runs) if args.resume else progress.start()
+    steps_per_epoch = -(-n // args.batch)
+    with clock("the estimate: level 1's first steps"):
+        step_s = pace(runs[0], params, X, y, args)
+    estimated = estimate(len(runs), steps_per_epoch, step_s, args)
+    rounds = f" x {args.rounds} rounds" if args.rounds > 1 else ""
+    print(f"this will take about {duration(estimated)}: {len(runs)} rows x {args.epochs + 1} epochs of "
+          f"{steps_per_epoch:,} steps{rounds}, then each checked in lockstep at every step, at level 1's pace here now "
+          f"({step_s * 1e6:,.0f} us/step)")
+    with clock("the machine's load, before and after the timed rows"):
+        calibration = [calibrate()]
+        before = snapshot()
     for round_ in range(args.rounds):  # a disturbance of the machine lands in one round of several rows
         for run in runs:
             if len(run.rounds) > round_:  # timed before the run was stopped (--resume)
@@ -608,11 +770,14 @@ def job(args: argparse.Namespace) -> int:
             train(model, run, params, X, y, X_test, y_test, orders, args, quiet, clock)
             progress.save(run)
             if len(run.rounds) == args.rounds:
-                print(f"{run.label}: {row_time(run, -(-n // args.batch))}; its check comes after the last row's")
+                print(f"{run.label}: {row_time(run, steps_per_epoch)}; its check comes after the last row's")
+    with clock("the machine's load, before and after the timed rows"):
+        after = snapshot()
+        calibration.append(calibrate())
+    too_busy, others = busy(before, after, calibration, os.cpu_count() or 1)
     workers = Phases()
     twin = verify_runs(runs, params, X, y, X_test, y_test, orders, args, quiet, clock, workers)
 
-    steps_per_epoch = -(-n // args.batch)
     with clock("the table"):
         rows = summarize(runs, args, steps_per_epoch)
     print(
@@ -625,7 +790,9 @@ def job(args: argparse.Namespace) -> int:
     settings["train_size"] = n
     settings["later_round_epochs"] = LATER_ROUND_EPOCHS if LATER_ROUND_EPOCHS < args.epochs else None  # else whole
     print(timing_rule(settings) + "\n")
-    print_table(rows)
+    print_table(rows, args.wide)
+    if line := ties_line(runs):
+        print(line)
     results = {
         "settings": settings,
         "data": data.source,
@@ -640,6 +807,11 @@ def job(args: argparse.Namespace) -> int:
         "elapsed_s": time.perf_counter() - started,  # the whole job: data, training, every check
         "phases": clock.seconds,  # ... and where that time went
         "lockstep_workers": workers.seconds,  # each level's lockstep, its time summed over the --jobs processes
+        "estimate_s": estimated,  # the job's time as estimated before it started
+        # the machine's load while the rows were timed: None where it was quiet, else why their times are not trusted
+        "busy": too_busy,
+        "load": {"calibration_s": calibration, "before": before, "after": after, "others_cores": others,
+                 "cores": os.cpu_count()},
     }
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
     progress.path.unlink(missing_ok=True)
@@ -647,14 +819,19 @@ def job(args: argparse.Namespace) -> int:
         plot(runs, twin, args.out, f"{network.title}, {n:,} images, batch {args.batch}{size_note(args)}"
              f"{', ' + optimizer.title if optimizer.options else ''}", args.epochs)
     print(f"\nwrote {args.out / 'results.json'}, loss_curves.png and lockstep.png")
-    print("\n" + clock.table(time.perf_counter() - started))
-    if workers.seconds:
-        print("\n" + workers.table(sum(workers.seconds.values()), f"the lockstep, summed over {args.jobs} processes",
-                                   rest=""))
-    for run in runs:
-        record = run.lockstep and run.lockstep["record"]
-        for tie in (record.ties if record else [])[:5]:
-            print(f"tie: {run.label} at {tie.describe()}")
+    if args.verbose:
+        print("\n" + clock.table(time.perf_counter() - started))
+        if workers.seconds:
+            print("\n" + workers.table(sum(workers.seconds.values()),
+                                       f"the lockstep, summed over {args.jobs} processes", rest=""))
+        for run in runs:
+            record = run.lockstep and run.lockstep["record"]
+            for tie in (record.ties if record else [])[:5]:
+                print(f"tie: {run.label} at {tie.describe()}")
+    print(f"took {duration(time.perf_counter() - started)} (estimated: about {duration(estimated)})")
+    if too_busy:
+        print(f"WARNING: the machine was busy while the rows were timed ({too_busy}): their times and speedups are "
+              "not to be trusted; run again with nothing else running")
     failed = [run for run in runs if run.failure]
     for run in failed:
         print(f"FAIL: {run.label} {run.failure}" if "diverged" not in run.failure else f"DIVERGED: {run.label} {run.failure}")
@@ -665,6 +842,30 @@ def job(args: argparse.Namespace) -> int:
     # the peers are yardsticks: a failed check is reported (their arithmetic misses the rule), the exit status is the
     # levels'
     return 1 if any(run.label.split("[")[0] not in PEERS for run in failed) else 0
+
+
+def ties_line(runs: list[Run]) -> str | None:
+    """The ties lockstep found and explained (a ReLU or a sign within float32's reach of 0, decided the other way from
+    level 1: not a failure), in one line: how many per level, at which steps; None where there are none."""
+    found = []
+    for run in runs:
+        steps = [tie["step"] for tie in (run.lockstep or {}).get("ties", [])]
+        if steps:
+            shown = ", ".join(map(str, steps[:3])) + (f" and {len(steps) - 3} more" if len(steps) > 3 else "")
+            found.append(f"{run.label} {len(steps)} at step{'s' if len(steps) > 1 else ''} {shown}")
+    if not found:
+        return None
+    return "ties found and explained (not failures; --verbose lists them): " + "; ".join(found)
+
+
+def duration(seconds: float) -> str:
+    """"45 s", "3 min 20 s", "1 h 5 min"."""
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60} min"
 
 
 def timing_rule(settings: dict) -> str:
