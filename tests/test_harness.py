@@ -151,8 +151,8 @@ def test_level1_on_the_cpu_runs_on_one_thread_at_a_small_step_and_says_what_ran(
     original = cls.train_epoch
     monkeypatch.setattr(cls, "train_epoch", lambda self, *a, **k: seen.append(torch.get_num_threads())
                         or original(self, *a, **k))
-    for batch, threads in ((8, 1), (64, default)):  # 10 and 78 MFLOP a step
-        args = ["--levels", "1", "--epochs", "1", "--train-size", "128", "--batch", str(batch), "--out", str(tmp_path),
+    for batch, threads in ((8, 1), (128, default)):  # 6.5 and 105 MFLOP a step
+        args = ["--levels", "1", "--epochs", "1", "--train-size", "256", "--batch", str(batch), "--out", str(tmp_path),
                 "--quiet"]
         seen.clear()
         assert compare.main(args) == 0

@@ -57,11 +57,12 @@ LATER_ROUND_EPOCHS = 3
 PROGRESS = "progress.jsonl"  # the rounds timed so far, a line after each row's round, for --resume
 PARALLEL_FROM = 20_000  # level-steps (a level's step checked in lockstep) from which the lockstep runs in processes
 # PyTorch's threads on the CPU wait for each other by spinning: on a small step they wait more than they work, and
-# where another process holds a core they lose it and the step slows severalfold. Measured on 2 cores, level 1 at
-# batch 8 (10 MFLOP a step): 578 us/step on one thread, 623 on two; with one busy process beside it, 617 and 3,007.
-# Two threads pay from batch 32 (26 MFLOP: 842 and 760). So level 1 on the CPU runs on one thread below this many
-# FLOPs a step, as a user on a laptop should run it, and on PyTorch's default (a thread per core) above.
-ONE_THREAD_BELOW = 20e6
+# where another program holds a core they lose it and the step slows severalfold. Measured on 2 cores, level 1 at the
+# chapter's batch 8 (6.5 MFLOP a step): 578 us/step on one thread, 623 on two; with one busy program beside it, 617
+# and 3,007. Two threads gain only 1.11x at batch 32 (26 MFLOP) and 1.20x at batch 64 (52 MFLOP) on a quiet machine.
+# So level 1 on the CPU runs on one thread below this many FLOPs a step (the MLP's chapter run, LeNet-5's at batch 16:
+# 24 MFLOP), as a user on a busy laptop should run it, and on PyTorch's default (a thread per core) above.
+ONE_THREAD_BELOW = 100e6
 # The machine's load, checked around the timed rows (busy): a fixed loop (calibrate) timed before and after them, whose
 # two times may differ by at most this factor, and the load average (1 minute), which may not pass the core count ...
 BUSY_RATIO = 1.3
