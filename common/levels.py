@@ -68,6 +68,7 @@ LEVELS: tuple[Level, ...] = (
     Level(6, "level6_cublas", "cuBLAS GEMMs", ("nvcc", "gpu")),
     Level(7, "level7_fused", "One fused persistent kernel", ("nvcc", "gpu"), lab_libraries=("build/lab_level7.so",)),
     Level(8, "level8_framework", "A framework of your own", (), gpu_library="libops.so"),
+    Level(9, "level9_data_parallel", "Data parallel on two workers", ("torch",)),
 )
 
 

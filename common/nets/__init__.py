@@ -69,7 +69,7 @@ class Network:
 PEERS = ("torch-eager", "torch-graph", "torch-compile", "jax-scan")  # every peer, in the tables' order
 
 NETWORKS: tuple[Network, ...] = (
-    Network("mlp", "the MLP, 784-hidden-10", "common.nets.mlp", "MLP", (1, 2, 3, 4, 5, 6, 7, 8),
+    Network("mlp", "the MLP, 784-hidden-10", "common.nets.mlp", "MLP", (1, 2, 3, 4, 5, 6, 7, 8, 9),
             ((4, "libmlp.so"), (5, "libmlp.so"), (6, "libmlp.so"), (7, "libmlp.so")), has_hidden=True,
             step="common.harness.verify:MlpStep", per_layer="common.harness.verify:mlp_per_layer",
             run={"epochs": 10, "train_size": 10_000, "batch": 8, "lr": 0.01}, peers=PEERS,

@@ -38,7 +38,7 @@ class Optimizer:
 DEFAULT = "sgd"
 
 OPTIMIZERS: tuple[Optimizer, ...] = (
-    Optimizer("sgd", "SGD", (1, 3, 4, 5, 6, 7, 8), peers=PEERS),
+    Optimizer("sgd", "SGD", (1, 3, 4, 5, 6, 7, 8, 9), peers=PEERS),
     # level 1 with torch.optim.Adam, level 3 with adam_update beside sgd_update, level 8 with its optim.Adam
     Optimizer("adam", "Adam", (1, 3, 8), {"betas": (0.9, 0.999), "eps": 1e-8}, ("step", "exp_avg", "exp_avg_sq"),
               lr=1e-3),

@@ -1,0 +1,362 @@
+"""Level 9 - data parallel: two workers, each on its half of every batch.
+
+What this level adds over level 3: a second worker. The model object lives in the caller's process and drives
+WORLD worker processes, each holding one replica of the network and running level 3's NumPy step on its own share
+of every batch; they join a gloo process group (torch.distributed), and after each backward pass the gradients are
+summed across the workers by one all-reduce of torch.distributed's (never a communication of our own), divided by
+the world size, and applied by every replica alike, so the replicas stay bit for bit the same. Parameters enter
+through rank 0 only and reach the others by a broadcast, as in PyTorch's DistributedDataParallel (at construction
+and at every load_state_dict: the verifier's lockstep hands level 1's parameters in before each step); they are
+read back from rank 0, and train_epoch ends by checking that every replica holds the same bits.
+
+A batch of B rows is split into WORLD contiguous shares (np.array_split: the first share takes the odd row). Each
+worker's gradient is the mean over its share, weighted by share * WORLD / B (exactly 1 for equal shares), so that
+the sum divided by WORLD is the mean over the whole batch also for an odd B, a partial last batch, or a share of 0
+rows (a worker with no rows still joins every collective: a collective waits for every rank).
+
+Run: `pytest -m level9`.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import tempfile
+import traceback
+import weakref
+from datetime import timedelta
+from multiprocessing.connection import wait
+
+import numpy as np
+
+from common.contract import DataCache, check_params, check_training, check_X, check_y, n_steps
+from common.nets import mlp
+
+WORLD = 2  # workers, one replica each
+TIMEOUT = timedelta(seconds=60)  # a collective that waits longer for a rank fails, rather than hanging
+BUGS = ("undivided", "same_share", "stale_buffer", "no_broadcast")  # tests/test_level9.py plants each
+
+
+# ---- in each worker process: one replica ----
+
+
+class Replica:
+    """One worker's replica: level 3's MLP, stepped on this rank's share of every batch, its gradients all-reduced."""
+
+    def __init__(self, rank: int, world: int, bug: str | None):
+        import torch.distributed as dist
+
+        from level3_numpy import MLP
+
+        self.rank, self.world, self.bug, self.dist, self.level3 = rank, world, bug, dist, MLP
+        self.model = None
+        self.X = self.y = None
+        self.buffer = np.zeros(0, dtype=np.float32)  # the gradients and the loss, flat: what is all-reduced
+
+    def load(self, params: dict[str, np.ndarray] | None, hidden: int) -> None:
+        """Rank 0's parameters (params; None on the other ranks) broadcast to every replica."""
+        import torch
+
+        shapes = mlp.param_shapes(hidden)
+        if params is None:  # a replica that has none yet starts from zeros, then receives rank 0's
+            params = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
+            if self.model is not None and self.bug == "no_broadcast":
+                return
+        self.model = self.level3(params)
+        if self.bug == "no_broadcast":
+            return
+        flat = np.concatenate([self.model.params[name].ravel() for name in mlp.PARAM_NAMES])
+        self.dist.broadcast(torch.from_numpy(flat), src=0)
+        self.model.params = self._unpack(flat, shapes)
+
+    def data(self, X: np.ndarray, y: np.ndarray) -> None:
+        """The training set, kept for the epochs that follow."""
+        self.X, self.y = X, y
+
+    def epoch(self, order: np.ndarray, batch_size: int, lr: np.float32) -> np.ndarray:
+        """One pass in `order`, a data-parallel step per batch; each step's loss over the whole batch."""
+        from level3_numpy.mlp import sgd_update
+
+        losses = np.empty(n_steps(len(order), batch_size), dtype=np.float32)
+        for step in range(len(losses)):
+            rows = order[step * batch_size : (step + 1) * batch_size]
+            losses[step], grads = self.loss_and_grads(self.X, self.y, rows)
+            sgd_update(self.model.params, grads, lr)
+        return losses
+
+    def loss_and_grads(self, X: np.ndarray, y: np.ndarray, rows: np.ndarray | None = None):
+        """The mean loss and gradients of the batch X[rows] (all of X: rows None), from every rank's share."""
+        import torch
+
+        rows = np.arange(len(X)) if rows is None else rows
+        mine = self._share(rows)
+        shapes = {name: p.shape for name, p in self.model.params.items()}
+        if len(mine):
+            loss, grads = self.model._loss_and_grads(X[mine], y[mine])
+        else:  # no rows here: nothing to add, but the collective still needs this rank
+            loss, grads = np.float32(0), {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
+        weight = np.float32(len(mine) * self.world / len(rows))  # 1 for equal shares
+        if len(self.buffer) != sum(p.size for p in self.model.params.values()) + 1:
+            self.buffer = np.zeros(sum(p.size for p in self.model.params.values()) + 1, dtype=np.float32)
+        if self.bug == "stale_buffer":  # reduced before this step's gradients are in it: last step's are
+            self.dist.all_reduce(torch.from_numpy(self.buffer))
+            self._pack(grads, loss, weight)
+        else:
+            self._pack(grads, loss, weight)
+            self.dist.all_reduce(torch.from_numpy(self.buffer))  # the sum over the ranks, in place
+        if self.bug != "undivided":
+            self.buffer /= np.float32(self.world)  # the mean over the batch: the sum of the weighted means / WORLD
+        return self.buffer[-1], self._unpack(self.buffer[:-1].copy(), shapes)
+
+    def layers(self, X: np.ndarray, y: np.ndarray, rows: np.ndarray):
+        """Level 3's layers of this rank's share of X[rows]: (outputs, gradients of its own mean loss), and its
+        share of the rows."""
+        mine = self._share(rows)
+        if not len(mine):
+            return None, mine
+        return self.model.layers(X[mine], y[mine]), mine
+
+    def forward(self, X: np.ndarray) -> np.ndarray:
+        """Logits of this rank's share of X's rows."""
+        return self.model.forward(np.ascontiguousarray(X[self._share(np.arange(len(X)))]))
+
+    def state(self) -> dict[str, np.ndarray]:
+        return self.model.state_dict()
+
+    def _share(self, rows: np.ndarray) -> np.ndarray:
+        """This rank's share of a batch's rows: the r-th of WORLD contiguous pieces."""
+        return np.array_split(rows, self.world)[0 if self.bug == "same_share" else self.rank]
+
+    def _pack(self, grads: dict[str, np.ndarray], loss, weight: np.float32) -> None:
+        """The weighted gradients, then the weighted loss, into the flat buffer."""
+        start = 0
+        for name in mlp.PARAM_NAMES:
+            size = grads[name].size
+            np.multiply(grads[name].ravel(), weight, out=self.buffer[start : start + size])
+            start += size
+        self.buffer[-1] = np.float32(loss) * weight
+
+    @staticmethod
+    def _unpack(flat: np.ndarray, shapes: dict) -> dict[str, np.ndarray]:
+        """A flat buffer back into parameters (views of it) by name."""
+        out, start = {}, 0
+        for name in mlp.PARAM_NAMES:
+            size = int(np.prod(shapes[name]))
+            out[name] = flat[start : start + size].reshape(shapes[name])
+            start += size
+        return out
+
+
+def _serve(rank: int, world: int, store: str, conn, bug: str | None) -> None:
+    """A worker's life: join the process group, then run the driver's commands until it says close or goes away."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle: it ends the workers
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=TIMEOUT)
+    replica = Replica(rank, world, bug)
+    try:
+        while True:
+            try:
+                command, args = conn.recv()
+            except EOFError:  # the driver is gone
+                return
+            if command == "close":
+                return
+            try:
+                conn.send(("ok", getattr(replica, command)(*args)))
+            except Exception:  # reported to the driver, which raises it and ends every worker
+                conn.send(("error", traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+# ---- in the caller's process: the driver ----
+
+
+class WorkerError(RuntimeError):
+    """A worker failed or died: the process group is broken, every worker has been ended."""
+
+
+class _Workers:
+    """WORLD worker processes and their pipes; ended when closed, on an error, or when the model is collected."""
+
+    def __init__(self, world: int, bug: str | None):
+        context = multiprocessing.get_context("spawn")  # never fork a process that may hold threads
+        self.folder = tempfile.TemporaryDirectory(prefix="level9-")
+        store = os.path.join(self.folder.name, "store")  # the rendezvous: a file, no port to collide
+        self.conns, self.procs = [], []
+        with _one_thread():
+            for rank in range(world):
+                ours, theirs = context.Pipe()
+                proc = context.Process(target=_serve, args=(rank, world, store, theirs, bug), daemon=True,
+                                       name=f"level9-rank{rank}")
+                proc.start()
+                theirs.close()
+                self.conns.append(ours)
+                self.procs.append(proc)
+
+    def ask(self, commands: list[tuple[str, tuple]]) -> list:
+        """Send each rank its command, then wait for every reply; a failure or a death ends all workers and raises."""
+        if not self.procs:
+            raise WorkerError("the workers have stopped (an earlier failure, or close()): make a new model")
+        try:
+            for rank, (conn, command) in enumerate(zip(self.conns, commands)):
+                try:
+                    conn.send(command)
+                except OSError as error:
+                    raise WorkerError(f"worker {rank} is gone (exit code {self.procs[rank].exitcode})") from error
+            replies: dict[int, object] = {}
+            while len(replies) < len(self.conns):
+                waiting = {conn: r for r, conn in enumerate(self.conns) if r not in replies}
+                ready = wait(list(waiting) + [p.sentinel for p in self.procs])
+                for ready_one in ready:
+                    if ready_one not in waiting:
+                        rank = next(r for r, p in enumerate(self.procs) if p.sentinel == ready_one)
+                        raise WorkerError(f"worker {rank} died (exit code {self.procs[rank].exitcode})")
+                    status, value = ready_one.recv()
+                    if status == "error":
+                        raise WorkerError(f"worker {waiting[ready_one]} failed:\n{value}")
+                    replies[waiting[ready_one]] = value
+            return [replies[r] for r in range(len(self.conns))]
+        except BaseException:  # an error, or Ctrl-C while waiting: the group is in an unknown state
+            self.close(wait_s=0)
+            raise
+
+    def close(self, wait_s: float = 5) -> None:
+        """Tell every worker to stop, wait a little, then kill those still running."""
+        for conn in self.conns:
+            try:
+                conn.send(("close", ()))
+            except (OSError, ValueError):
+                pass
+        for proc in self.procs:
+            proc.join(wait_s)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self.conns:
+            conn.close()
+        self.conns, self.procs = [], []
+        self.folder.cleanup()
+
+
+class _one_thread:
+    """BLAS on one thread in the workers started inside it: WORLD workers share the cores."""
+
+    names = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+    def __enter__(self):
+        self.before = {name: os.environ.get(name) for name in self.names}
+        os.environ.update({name: "1" for name in self.names})
+
+    def __exit__(self, *exc):
+        for name, value in self.before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+class MLP:
+    """The level contract, data parallel over WORLD workers: each a replica running level 3's step on its share of
+    every batch, the gradients all-reduced through torch.distributed (gloo). bug: one of BUGS, planted in every
+    worker, for tests/test_level9.py only."""
+
+    network = mlp
+
+    def __init__(self, params: dict[str, np.ndarray], workers: int = WORLD, bug: str | None = None):
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
+        if bug is not None and bug not in BUGS:
+            raise ValueError(f"bug must be None or one of {BUGS}, got {bug!r}")
+        params = check_params(params, network=self.network)
+        self.world = workers
+        self._workers = _Workers(workers, bug)
+        self._finalizer = weakref.finalize(self, self._workers.close)
+        self._data = DataCache()
+        self.load_state_dict(params)
+
+    def close(self) -> None:
+        """End the workers now (they are also ended when the model is collected, and at exit)."""
+        self._finalizer()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _all(self, command: str, *args) -> list:
+        """The same command to every rank; every rank's reply."""
+        return self._workers.ask([(command, args)] * self.world)
+
+    def train_epoch(self, X: np.ndarray, y: np.ndarray, batch_size: int, lr: float, order=None) -> np.ndarray:
+        """One pass over X in `order`; returns each step's loss (of the whole batch), taken before that step's update.
+        Ends by checking the replicas bit for bit."""
+        rows = self._data.fetch(X, y, self._upload)
+        order, batch_size, lr = check_training(rows, batch_size, lr, order)
+        losses = self._all("epoch", order, batch_size, lr)
+        self.check_replicas()
+        return losses[0]
+
+    def _upload(self, X: np.ndarray, y: np.ndarray) -> int:
+        """The training set to every worker: one copy each for many epochs."""
+        self._all("data", X, y)
+        return len(X)
+
+    def check_replicas(self) -> None:
+        """Raise unless every replica holds the same bits as rank 0's."""
+        states = self.replica_states()
+        for rank, state in enumerate(states[1:], 1):
+            for name in mlp.PARAM_NAMES:
+                if state[name].tobytes() != states[0][name].tobytes():
+                    differ = int((state[name] != states[0][name]).sum())
+                    raise WorkerError(f"the replicas parted: rank {rank}'s {name} differs from rank 0's in {differ} "
+                                      f"of {state[name].size} elements")
+
+    def replica_states(self) -> list[dict[str, np.ndarray]]:
+        """Every rank's parameters, rank 0's first."""
+        return self._all("state")
+
+    def variant(self) -> dict[str, str]:
+        """What this model computes with: level 3's step on WORLD workers, gloo's all-reduce, on the CPU."""
+        return {"device": "cpu", "workers": str(self.world)}
+
+    def loss_and_grads(self, X: np.ndarray, y: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
+        """Mean cross-entropy of one batch and its gradients, each rank on its share; parameters unchanged."""
+        X = check_X(X)
+        y = check_y(y, len(X))
+        loss, grads = self._all("loss_and_grads", X, y)[0]
+        return float(loss), grads
+
+    def layers(self, X: np.ndarray, y: np.ndarray) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """Every layer's output for a batch, and the gradient of the batch's mean loss with respect to each: each rank's
+        share, its gradients (of its share's mean) weighted by its share of the batch."""
+        X = check_X(X)
+        y = check_y(y, len(X))
+        outputs: dict[str, list] = {}
+        grads: dict[str, list] = {}
+        for layers, mine in self._all("layers", X, y, np.arange(len(X))):
+            if layers is None:
+                continue
+            weight = np.float32(len(mine) / len(X))
+            for name in layers[0]:
+                outputs.setdefault(name, []).append(layers[0][name])
+                grads.setdefault(name, []).append(layers[1][name] * weight)
+        return ({k: np.concatenate(v) for k, v in outputs.items()}, {k: np.concatenate(v) for k, v in grads.items()})
+
+    def forward(self, X: np.ndarray) -> np.ndarray:
+        """Logits (N, 10), each rank on its share of the rows."""
+        return np.concatenate(self._all("forward", check_X(X)))
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """float32 copies of the parameters, rank 0's."""
+        return self._workers.ask([("state", ())] + [("state", ())] * (self.world - 1))[0]
+
+    def load_state_dict(self, params: dict[str, np.ndarray]) -> None:
+        """Replace the parameters (same sizes): handed to rank 0, broadcast to the others."""
+        hidden = getattr(self, "hidden", None)
+        params = check_params(params, hidden, network=self.network)
+        self.hidden = len(params["fc1.bias"])
+        self._workers.ask([("load", (params, self.hidden))] + [("load", (None, self.hidden))] * (self.world - 1))

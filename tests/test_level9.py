@@ -1,0 +1,115 @@
+"""Level 9, data parallel: what the suite parametrized over every level (tests/test_levels.py) cannot see.
+
+Two workers in lockstep with level 1's single-process step on real digits, the replicas bit for bit the same after
+an epoch, each classic data-parallel bug planted and caught, and a clean end: a dead worker or bad input is a clear
+Python exception, and no worker outlives its model.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from common.harness import verify
+from common.harness.compare import epoch_order
+from common.nets.mlp import PARAM_NAMES, init_params
+from level3_numpy import MLP as Level3
+from level9_data_parallel import MLP
+from level9_data_parallel.mlp import BUGS, WorkerError
+
+pytestmark = pytest.mark.level9
+
+
+def lockstep(models: dict, params, X, y, batch: int, epochs: int = 1, shuffle: bool = False):
+    """verify.lockstep over `epochs` epochs of X; the records by label."""
+    orders = [epoch_order(len(X), e, 0, shuffle) for e in range(epochs)]
+    records, diverged = verify.lockstep(models, params, X, y, orders, batch, 0.05)
+    assert diverged is None, diverged
+    return records, sum(-(-len(o) // batch) for o in orders)
+
+
+@pytest.mark.parametrize("batch, n", [(8, 384), (13, 300)], ids=["b8", "b13-partial"])
+def test_lockstep_with_level1_on_mnist(mnist, batch, n):
+    """Every step from level 1's parameters, checked against level 1's single-process step of the whole batch (an odd
+    batch: shares of 7 and 6 rows; a partial last batch). The sum over the ranks reorders float32's sums; level 3, the
+    same step in one process, beside it shows what that costs in the allowance."""
+    X, y, params = mnist[0][:n], mnist[1][:n], init_params(0)
+    with MLP(params) as model:
+        records, steps = lockstep({"level3": Level3(params), "level9": model}, params, X, y, batch, shuffle=True)
+    for label, record in records.items():
+        assert record.failure is None, f"{label}: {record.failure}"
+        assert len(record.used) == steps  # every step was checked
+    print(f"batch {batch}: largest share of the allowance used over {steps} steps: "
+          f"level 3 {max(records['level3'].used):.3f}, level 9 {max(records['level9'].used):.3f}")
+
+
+def test_replicas_are_bit_identical_after_an_epoch(mnist):
+    """An epoch of 32 data-parallel steps: every replica holds the very same bits as rank 0's."""
+    X, y = mnist[0][:256], mnist[1][:256]
+    with MLP(init_params(3, 64)) as model:
+        model.train_epoch(X, y, 8, 0.05, epoch_order(len(X), 0, 0, True))
+        first, *others = model.replica_states()
+        assert others
+        for state in others:
+            for name in PARAM_NAMES:
+                assert state[name].tobytes() == first[name].tobytes(), name
+        assert not np.array_equal(first["fc1.weight"], init_params(3, 64)["fc1.weight"])  # it did train
+
+
+# Where each planted bug is caught: the lockstep (the step is wrong), or the replicas' check (they parted).
+CAUGHT_BY = {
+    "undivided": "lockstep",  # the sum of two means: every gradient twice its size, the replicas still alike
+    "same_share": "lockstep",  # rank 1 steps on rank 0's rows: the batch's second half never seen
+    "stale_buffer": "replicas",  # the all-reduce sums last step's buffer: each rank steps on its own gradient
+    "no_broadcast": "replicas",  # rank 1 steps from zeros, not rank 0's weights: the replicas part at once
+}
+
+
+@pytest.mark.parametrize("bug", BUGS)
+def test_each_planted_bug_is_caught(mnist, bug):
+    """Each classic data-parallel bug, planted in the workers, fails a check at the first step."""
+    X, y, params = mnist[0][:64], mnist[1][:64], init_params(0)
+    with MLP(params, bug=bug) as model:
+        try:
+            records, _ = lockstep({"level9": model}, params, X, y, 8)
+        except WorkerError as error:
+            assert CAUGHT_BY[bug] == "replicas" and "replicas parted" in str(error)
+            return
+    record = records["level9"]
+    assert CAUGHT_BY[bug] == "lockstep" and record.failure is not None and record.failure.startswith("step 0:")
+
+
+def test_a_dead_worker_is_an_exception_and_ends_the_others(mnist):
+    X, y = mnist[0][:64], mnist[1][:64]
+    model = MLP(init_params(0, 16))
+    procs = list(model._workers.procs)
+    procs[1].kill()
+    procs[1].join()
+    with pytest.raises(WorkerError, match="worker 1"):
+        model.train_epoch(X, y, 8, 0.1)
+    assert not any(p.is_alive() for p in procs)
+    with pytest.raises(WorkerError, match="make a new model"):
+        model.state_dict()
+
+
+def test_closing_the_model_ends_its_workers():
+    model = MLP(init_params(0, 16))
+    procs = list(model._workers.procs)
+    model.close()
+    assert not any(p.is_alive() for p in procs)
+    model.close()  # twice is harmless
+
+
+def test_bad_input_is_a_clear_exception_and_the_workers_carry_on(mnist):
+    with pytest.raises(ValueError, match="workers"):
+        MLP(init_params(0, 16), workers=0)
+    with pytest.raises(ValueError, match="bug"):
+        MLP(init_params(0, 16), bug="typo")
+    with MLP(init_params(0, 16)) as model:
+        with pytest.raises(TypeError, match="float32"):
+            model.train_epoch(mnist[0][:64].astype(np.float64), mnist[1][:64], 8, 0.1)
+        with pytest.raises(ValueError, match="batch_size"):
+            model.train_epoch(mnist[0][:64], mnist[1][:64], 0, 0.1)
+        with pytest.raises(ValueError, match="shape"):
+            model.load_state_dict(init_params(0, 17) | {"fc1.bias": np.zeros(16, np.float32)})
+        assert np.isfinite(model.train_epoch(mnist[0][:64], mnist[1][:64], 8, 0.1)).all()
