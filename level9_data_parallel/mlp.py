@@ -25,6 +25,7 @@ import signal
 import tempfile
 import traceback
 import weakref
+from contextlib import contextmanager
 from datetime import timedelta
 from multiprocessing.connection import wait
 
@@ -118,8 +119,9 @@ class Replica:
         return self.model.layers(X[mine], y[mine]), mine
 
     def forward(self, X: np.ndarray) -> np.ndarray:
-        """Logits of this rank's share of X's rows."""
-        return self.model.forward(np.ascontiguousarray(X[self._share(np.arange(len(X)))]))
+        """Logits of this rank's share of X's rows (none where X has fewer rows than there are ranks)."""
+        mine = self._share(np.arange(len(X)))
+        return self.model.forward(np.ascontiguousarray(X[mine])) if len(mine) else np.empty((0, mlp.N_OUT), np.float32)
 
     def state(self) -> dict[str, np.ndarray]:
         return self.model.state_dict()
@@ -241,17 +243,17 @@ class _Workers:
         self.folder.cleanup()
 
 
-class _one_thread:
-    """BLAS on one thread in the workers started inside it: WORLD workers share the cores."""
-
+@contextmanager
+def _one_thread():
+    """BLAS on one thread in the workers started inside the block (they inherit the environment): WORLD workers share
+    the cores."""
     names = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
-
-    def __enter__(self):
-        self.before = {name: os.environ.get(name) for name in self.names}
-        os.environ.update({name: "1" for name in self.names})
-
-    def __exit__(self, *exc):
-        for name, value in self.before.items():
+    before = {name: os.environ.get(name) for name in names}
+    os.environ.update({name: "1" for name in names})
+    try:
+        yield
+    finally:
+        for name, value in before.items():
             if value is None:
                 os.environ.pop(name, None)
             else:
@@ -352,7 +354,7 @@ class MLP:
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """float32 copies of the parameters, rank 0's."""
-        return self._workers.ask([("state", ())] + [("state", ())] * (self.world - 1))[0]
+        return self.replica_states()[0]
 
     def load_state_dict(self, params: dict[str, np.ndarray]) -> None:
         """Replace the parameters (same sizes): handed to rank 0, broadcast to the others."""
