@@ -14,6 +14,9 @@ worker's gradient is the mean over its share, weighted by share * WORLD / B (exa
 the sum divided by WORLD is the mean over the whole batch also for an odd B, a partial last batch, or a share of 0
 rows (a worker with no rows still joins every collective: a collective waits for every rank).
 
+The gold standard is PyTorch's own (DDP, below): the same driver and process group, each worker level 1's network
+wrapped in DistributedDataParallel. It is checked against level 1 the same way, and it is the yardstick of speed.
+
 Run: `pytest -m level9`.
 """
 
@@ -150,13 +153,117 @@ class Replica:
         return out
 
 
-def _serve(rank: int, world: int, store: str, conn, bug: str | None) -> None:
+class DDPReplica:
+    """One worker's replica of the gold standard: level 1's network wrapped in PyTorch's DistributedDataParallel,
+    which broadcasts rank 0's parameters when it is made and all-reduces (and averages) the gradients during
+    backward(); torch.optim.SGD then steps every replica alike. Each rank's loss is its share's summed loss times
+    WORLD / B, so that DDP's average over the ranks is the mean over the whole batch, as level 1's step takes it."""
+
+    def __init__(self, rank: int, world: int, bug: str | None):
+        import torch.distributed as dist
+
+        if bug is not None:
+            raise ValueError("the gold standard takes no planted bug")
+        self.rank, self.world, self.dist = rank, world, dist
+        self.ddp = self.optimizer = None
+        self.X = self.y = None
+
+    def load(self, params: dict[str, np.ndarray] | None, hidden: int) -> None:
+        """Rank 0's parameters (None on the others: zeros), reaching every replica by DDP's broadcast."""
+        import torch
+        from torch.nn.parallel import DistributedDataParallel
+
+        from level1_pytorch.mlp import Net
+
+        net = Net(hidden)
+        shapes = mlp.param_shapes(hidden)
+        with torch.no_grad():
+            for name, tensor in net.state_dict().items():
+                tensor.copy_(torch.from_numpy(params[name]) if params is not None else torch.zeros(shapes[name]))
+        self.ddp = DistributedDataParallel(net)  # its construction broadcasts rank 0's parameters to every rank
+        self.optimizer = torch.optim.SGD(self.ddp.parameters(), lr=0.0)
+
+    def data(self, X: np.ndarray, y: np.ndarray) -> None:
+        import torch
+
+        self.X, self.y = torch.from_numpy(X), torch.from_numpy(y).long()
+
+    def epoch(self, order: np.ndarray, batch_size: int, lr: np.float32) -> np.ndarray:
+        """One pass in `order`, a DDP step per batch; each step's loss over the whole batch."""
+        import torch
+
+        for group in self.optimizer.param_groups:
+            group["lr"] = float(lr)
+        losses = torch.empty(n_steps(len(order), batch_size))  # this rank's shares, summed over the ranks at the end
+        for step in range(len(losses)):
+            rows = order[step * batch_size : (step + 1) * batch_size]
+            self.optimizer.zero_grad()
+            loss = self._share_loss(self.X, self.y, rows)
+            loss.backward()  # DDP all-reduces the gradients here, and divides them by WORLD
+            self.optimizer.step()
+            losses[step] = loss.detach()
+        return self._batch_loss(losses)
+
+    def loss_and_grads(self, X: np.ndarray, y: np.ndarray, rows: np.ndarray | None = None):
+        """The mean loss and gradients of the batch X[rows] (all of X: rows None); parameters unchanged."""
+        import torch
+
+        rows = np.arange(len(X)) if rows is None else rows
+        self.optimizer.zero_grad()
+        loss = self._share_loss(torch.from_numpy(X), torch.from_numpy(y).long(), rows)
+        loss.backward()
+        grads = {name: p.grad.detach().numpy().copy() for name, p in self.ddp.module.named_parameters()}
+        self.optimizer.zero_grad()
+        return self._batch_loss(loss)[()], grads
+
+    def layers(self, X: np.ndarray, y: np.ndarray, rows: np.ndarray):
+        """Level 1's layers of this rank's share of X[rows] (as Replica.layers), and its share of the rows."""
+        from level1_pytorch import MLP as Level1
+
+        mine = np.array_split(rows, self.world)[self.rank]
+        if not len(mine):
+            return None, mine
+        return Level1(self.state()).layers(X[mine], y[mine]), mine
+
+    def forward(self, X: np.ndarray) -> np.ndarray:
+        """Logits of this rank's share of X's rows."""
+        import torch
+
+        mine = np.array_split(np.arange(len(X)), self.world)[self.rank]
+        with torch.no_grad():
+            return self.ddp.module(torch.from_numpy(np.ascontiguousarray(X[mine]))).numpy()
+
+    def state(self) -> dict[str, np.ndarray]:
+        return {name: t.detach().numpy().copy() for name, t in self.ddp.module.state_dict().items()}
+
+    def _share_loss(self, X, y, rows: np.ndarray):
+        """This rank's share of the batch's summed loss, times WORLD / B: DDP's mean over the ranks of these is the
+        batch's mean loss (a rank with no rows adds 0, and still joins the all-reduce)."""
+        import torch
+        import torch.nn.functional as F
+
+        mine = torch.from_numpy(np.array_split(rows, self.world)[self.rank]).long()
+        summed = F.cross_entropy(self.ddp(X[mine]), y[mine], reduction="sum")
+        return summed * (self.world / len(rows))
+
+    def _batch_loss(self, loss) -> np.ndarray:
+        """The batches' mean losses: the ranks' losses (a tensor of one or of each step) summed, over WORLD; one
+        all-reduce, after the steps."""
+        total = loss.detach().clone()
+        self.dist.all_reduce(total)
+        return (total / self.world).numpy().astype(np.float32)
+
+
+REPLICAS = {"level3": Replica, "ddp": DDPReplica}  # the worker's replica, by the driver's kind
+
+
+def _serve(rank: int, world: int, store: str, conn, bug: str | None, kind: str) -> None:
     """A worker's life: join the process group, then run the driver's commands until it says close or goes away."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle: it ends the workers
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=TIMEOUT)
-    replica = Replica(rank, world, bug)
+    replica = REPLICAS[kind](rank, world, bug)
     try:
         while True:
             try:
@@ -183,7 +290,7 @@ class WorkerError(RuntimeError):
 class _Workers:
     """WORLD worker processes and their pipes; ended when closed, on an error, or when the model is collected."""
 
-    def __init__(self, world: int, bug: str | None):
+    def __init__(self, world: int, bug: str | None, kind: str = "level3"):
         context = multiprocessing.get_context("spawn")  # never fork a process that may hold threads
         self.folder = tempfile.TemporaryDirectory(prefix="level9-")
         store = os.path.join(self.folder.name, "store")  # the rendezvous: a file, no port to collide
@@ -191,7 +298,7 @@ class _Workers:
         with _one_thread():
             for rank in range(world):
                 ours, theirs = context.Pipe()
-                proc = context.Process(target=_serve, args=(rank, world, store, theirs, bug), daemon=True,
+                proc = context.Process(target=_serve, args=(rank, world, store, theirs, bug, kind), daemon=True,
                                        name=f"level9-rank{rank}")
                 proc.start()
                 theirs.close()
@@ -266,6 +373,7 @@ class MLP:
     worker, for tests/test_level9.py only."""
 
     network = mlp
+    replica = "level3"  # what each worker holds: REPLICAS' key
 
     def __init__(self, params: dict[str, np.ndarray], workers: int = WORLD, bug: str | None = None):
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
@@ -274,7 +382,7 @@ class MLP:
             raise ValueError(f"bug must be None or one of {BUGS}, got {bug!r}")
         params = check_params(params, network=self.network)
         self.world = workers
-        self._workers = _Workers(workers, bug)
+        self._workers = _Workers(workers, bug, self.replica)
         self._finalizer = weakref.finalize(self, self._workers.close)
         self._data = DataCache()
         self.load_state_dict(params)
@@ -362,3 +470,17 @@ class MLP:
         params = check_params(params, hidden, network=self.network)
         self.hidden = len(params["fc1.bias"])
         self._workers.ask([("load", (params, self.hidden))] + [("load", (None, self.hidden))] * (self.world - 1))
+
+
+class DDP(MLP):
+    """The gold standard of data parallelism, driven the same way: PyTorch's DistributedDataParallel over the same gloo
+    process group, each worker level 1's network on its share of every batch (DDPReplica). Verified against level 1's
+    single-process step like level 9, and the yardstick of its speed."""
+
+    replica = "ddp"
+
+    def __init__(self, params: dict[str, np.ndarray], workers: int = WORLD):
+        super().__init__(params, workers)
+
+    def variant(self) -> dict[str, str]:
+        return {"device": "cpu", "workers": str(self.world), "written as": "PyTorch's DistributedDataParallel, gloo"}

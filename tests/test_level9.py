@@ -1,6 +1,7 @@
 """Level 9, data parallel: what the suite parametrized over every level (tests/test_levels.py) cannot see.
 
-Two workers in lockstep with level 1's single-process step on real digits, the replicas bit for bit the same after
+Two workers in lockstep with level 1's single-process step on real digits (and the gold standard beside them,
+PyTorch's DistributedDataParallel on the same process group), the replicas bit for bit the same after
 an epoch, each classic data-parallel bug planted and caught, and a clean end: a dead worker or bad input is a clear
 Python exception, and no worker outlives its model.
 """
@@ -14,7 +15,7 @@ from common.harness import verify
 from common.harness.compare import epoch_order
 from common.nets.mlp import PARAM_NAMES, init_params
 from level3_numpy import MLP as Level3
-from level9_data_parallel import MLP
+from level9_data_parallel import DDP, MLP
 from level9_data_parallel.mlp import BUGS, WorkerError
 
 pytestmark = pytest.mark.level9
@@ -34,19 +35,21 @@ def test_lockstep_with_level1_on_mnist(mnist, batch, n):
     batch: shares of 7 and 6 rows; a partial last batch). The sum over the ranks reorders float32's sums; level 3, the
     same step in one process, beside it shows what that costs in the allowance."""
     X, y, params = mnist[0][:n], mnist[1][:n], init_params(0)
-    with MLP(params) as model:
-        records, steps = lockstep({"level3": Level3(params), "level9": model}, params, X, y, batch, shuffle=True)
+    with MLP(params) as model, DDP(params) as gold:
+        records, steps = lockstep({"level3": Level3(params), "level9": model, "ddp": gold}, params, X, y, batch,
+                                  shuffle=True)
     for label, record in records.items():
         assert record.failure is None, f"{label}: {record.failure}"
         assert len(record.used) == steps  # every step was checked
     print(f"batch {batch}: largest share of the allowance used over {steps} steps: "
-          f"level 3 {max(records['level3'].used):.3f}, level 9 {max(records['level9'].used):.3f}")
+          + ", ".join(f"{label} {max(record.used):.3f}" for label, record in records.items()))
 
 
-def test_replicas_are_bit_identical_after_an_epoch(mnist):
+@pytest.mark.parametrize("kind", [MLP, DDP], ids=["level9", "ddp"])
+def test_replicas_are_bit_identical_after_an_epoch(mnist, kind):
     """An epoch of 32 data-parallel steps: every replica holds the very same bits as rank 0's."""
     X, y = mnist[0][:256], mnist[1][:256]
-    with MLP(init_params(3, 64)) as model:
+    with kind(init_params(3, 64)) as model:
         model.train_epoch(X, y, 8, 0.05, epoch_order(len(X), 0, 0, True))
         first, *others = model.replica_states()
         assert others
