@@ -19,6 +19,7 @@ most COMPILING_PROCESSES long stretches instead, each made in one process: the s
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.pool
 import os
 import pickle
 from collections.abc import Callable
@@ -55,8 +56,8 @@ def lockstep(factories: dict[str, Callable], params: dict[str, np.ndarray], data
     tasks = stretch_tasks(starts, list(factories), compiling)
     # What starts a worker is written to it before the pool returns: kept small (no parameters), or the parent would
     # wait for every worker's start in turn. Each task brings level 1's state, through the pool's queue.
-    with single_threaded(), multiprocessing.get_context("spawn").Pool(
-            jobs, _start, (pickle.dumps((factories, data)), network.name, optimizer.name)) as pool:
+    with single_threaded(), multiprocessing.pool.Pool(
+            jobs, _start, (pickle.dumps((factories, data)), network.name, optimizer.name), context=_SPAWN_PARENTS) as pool:
         extra = pool.apply_async(also) if also else None
         pending, diverged = [], None
         with clock("lockstep: level 1 alone, its state at each stretch"):
@@ -78,6 +79,26 @@ def lockstep(factories: dict[str, Callable], params: dict[str, np.ndarray], data
         workers.merge(seconds)
     diverged = next((why for _, _, _, why in stretch_results if why), diverged)
     return records, diverged, also_result
+
+
+class _ParentProcess(multiprocessing.context.SpawnProcess):
+    """A pool's worker that may start processes of its own (level 9's model starts its ranks): multiprocessing.Pool
+    makes its workers daemonic, and a daemonic process may have no children. The pool still ends its workers."""
+
+    @property
+    def daemon(self) -> bool:
+        return False
+
+    @daemon.setter
+    def daemon(self, value: bool) -> None:
+        pass
+
+
+class _SpawnParents(multiprocessing.context.SpawnContext):
+    Process = _ParentProcess
+
+
+_SPAWN_PARENTS = _SpawnParents()
 
 
 def stretches(steps: int, count: int) -> list[tuple[int, int]]:
