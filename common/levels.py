@@ -93,15 +93,22 @@ def gpu_available() -> bool:
 
 
 def machine_tag() -> str:
-    """The name of this machine's results folder (results/<tag>/): its GPU's model as the driver names it ("NVIDIA
-    H100 80GB HBM3" -> h100, "NVIDIA H200" -> h200), else cpu. Read from the machine, so that a result is filed
-    under the GPU that measured it."""
+    """The name of this machine's results folder (results/<tag>/): its GPU's model as the driver names it, the first
+    word with a digit ("NVIDIA H100 80GB HBM3" -> h100, "NVIDIA H200" -> h200, "NVIDIA GeForce RTX 4090" -> 4090), else
+    cpu. Read from the machine, so that a result is filed under the GPU that measured it."""
     if not gpu_available():
         return "cpu"
     import torch
 
-    words = torch.cuda.get_device_name().removeprefix("NVIDIA ").split()
-    return re.sub(r"[^a-z0-9]+", "-", words[0].lower()).strip("-") if words else "gpu"
+    return gpu_tag(torch.cuda.get_device_name())
+
+
+def gpu_tag(name: str) -> str:
+    """A GPU's name as machine_tag files it: the letters and digits that begin its first word with a digit (the model:
+    "A100-SXM4-80GB" -> a100), lower case; else those of its last word."""
+    words = name.lower().split() or ["gpu"]
+    model = next((word for word in words if any(c.isdigit() for c in word)), words[-1])
+    return (re.findall(r"[a-z0-9]+", model) or ["gpu"])[0]
 
 
 def missing(lv: Level, device: str = "cpu", network: Network = THE_MLP, optimizer: Optimizer = SGD,

@@ -10,7 +10,7 @@ import pytest
 
 from common.contract import is_immutable
 from common.harness import bench, compare
-from common.levels import LEVELS, ROOT, level, missing
+from common.levels import LEVELS, ROOT, gpu_tag, level, missing
 from common.nets import get
 from common.nets.mlp import PARAM_NAMES, init_params, param_shapes
 
@@ -32,6 +32,12 @@ def test_he_uniform_bounds_and_zero_biases():
         assert np.abs(params[name]).max() <= bound
         assert np.abs(params[name]).max() > 0.99 * bound  # uniform over the whole range, not a narrower one
     assert not params["fc1.bias"].any() and not params["fc2.bias"].any()
+
+
+def test_results_are_filed_under_the_gpus_model():
+    names = ["NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA GeForce RTX 4090", "NVIDIA A100-SXM4-80GB", "Tesla T4",
+             "NVIDIA Graphics Device", ""]
+    assert [gpu_tag(name) for name in names] == ["h100", "h200", "4090", "a100", "t4", "device", "gpu"]
 
 
 def test_epoch_order_is_in_order_or_a_seeded_permutation():

@@ -20,6 +20,8 @@ import sys
 import tempfile
 from contextlib import contextmanager
 
+from common.harness.environment import environment
+
 FOLDER = "JAX_COMPILATION_CACHE_DIR"
 
 
@@ -39,19 +41,12 @@ def shared():
         yield
         return
     with tempfile.TemporaryDirectory(prefix="course-xla-cache-") as folder:  # mode 0700: this user's alone
-        environment = settings(folder)
-        before = {name: os.environ.get(name) for name in environment}
-        os.environ.update(environment)  # read by JAX where it is imported after this: the worker processes
-        _configure_imported_jax(environment)  # ... and where this process imported it already
-        try:
-            yield
-        finally:
-            for name, value in before.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
-            _configure_imported_jax({name: value or "" for name, value in before.items()})
+        with environment(settings(folder)) as before:  # read by JAX where it is imported after this: the workers
+            _configure_imported_jax(settings(folder))  # ... and where this process imported it already
+            try:
+                yield
+            finally:
+                _configure_imported_jax({name: value or "" for name, value in before.items()})
 
 
 def _configure_imported_jax(environment: dict[str, str]) -> None:
