@@ -223,5 +223,32 @@ def test_a_later_round_times_the_first_epochs_and_the_results_say_so(tmp_path):
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["settings"]["later_round_epochs"] == compare.LATER_ROUND_EPOCHS < 4
     assert all(len(run["epoch_seconds"]) == 4 for run in results["runs"])  # the verified run: every epoch
-    assert f"each later one its first {compare.LATER_ROUND_EPOCHS} epochs" in compare.timing_rule(results["settings"])
-    assert "each later one" not in compare.timing_rule({"rounds": 3})  # results timed before: every round whole
+    assert (f"each later one the same warm model from the initial weights, its first {compare.LATER_ROUND_EPOCHS} "
+            "epochs" in compare.timing_rule(results["settings"]))
+    before = compare.timing_rule({"rounds": 3})  # results timed before: every round whole, on a new model
+    assert "its first" not in before and "a new model, warmed up" in before
+
+
+def test_a_row_is_made_and_warmed_up_once_and_every_round_starts_from_the_initial_weights(tmp_path, monkeypatch):
+    """A later round times the row's warm model again: no second warm-up, but from the initial parameters, as the
+    first round did (an epoch's start inside a round carries on from the epoch before)."""
+    calls, starts, real_train = [], [], compare.train
+
+    def spying(model, run, *args, warm_up=True):
+        if run.label == "level3[cpu]":  # a timed row (the honest runs are level 1's)
+            calls.append((id(model), warm_up))
+            if not hasattr(model, "spied"):
+                epoch, model.spied = model.train_epoch, True
+                model.train_epoch = lambda *a: (starts.append(model.state_dict()["fc1.weight"].copy()), epoch(*a))[1]
+        return real_train(model, run, *args, warm_up=warm_up)
+
+    monkeypatch.setattr(compare, "train", spying)
+    assert compare.main(["--levels", "1,3", "--epochs", "4", "--train-size", "400", "--rounds", "3", "--jobs", "1",
+                         "--out", str(tmp_path), "--quiet"]) == 0
+    assert [warm for _, warm in calls] == [True, False, False] and len({model for model, _ in calls}) == 1
+    initial = init_params(0, compare.HIDDEN)["fc1.weight"]
+    later = compare.LATER_ROUND_EPOCHS
+    assert len(starts) == 1 + 4 + 2 * later  # the warm-up epoch, the whole first round, two later ones
+    round_starts = {0, 1, 1 + 4, 1 + 4 + later}  # the warm-up and each round's first epoch
+    for i, weights in enumerate(starts):
+        assert np.array_equal(weights, initial) == (i in round_starts), f"epoch call {i}"

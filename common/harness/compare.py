@@ -206,19 +206,18 @@ def train(model, run: Run, params, X, y, X_test, y_test, orders, args, quiet: bo
           warm_up: bool = True) -> Run:
     """The free run: args.epochs epochs, each timed on its own; stops after an epoch whose loss is not finite.
 
-    First one untimed epoch, then the initial parameters back (and Adam's state forgotten): the CUDA context, library
-    handles, the upload, graph captures and compilation (torch.compile's, XLA's) are done before the clock starts, so
-    every timed epoch is a warm one. The first call for a run keeps its losses and predictions (the run that is
-    verified); a later call, a later round, adds its time only, over the run's first LATER_ROUND_EPOCHS epochs. An
-    untimed run (an honest run) needs no warm-up."""
+    A model made for this run is warmed up first (warm_up): one untimed epoch, so that the CUDA context, library
+    handles, the upload, graph captures and compilation (torch.compile's, XLA's) are done before the clock starts and
+    every timed epoch is a warm one. Every timed run starts from the initial parameters (and Adam's state forgotten),
+    as the lockstep's does. The first call for a run keeps its losses and predictions (the run that is verified); a
+    later call, a later round on the same warm model, adds its time only, over the run's first LATER_ROUND_EPOCHS
+    epochs. An untimed run (an honest run) needs no warm-up."""
     with threads_of(run):  # level 1 on the CPU: on the threads its row asks for (ONE_THREAD_BELOW)
         first = not run.rounds
         if warm_up:
             with clock(f"{run.label}: warm-up epoch"):
                 model.train_epoch(X, y, args.batch, args.lr, orders[0])
-                model.load_state_dict(params)
-                if "optimizer" in run.asked:  # Adam's moments and step count forgotten too: the timed run starts at
-                    model.load_optimizer_state({})  # a first step, as the lockstep's does, not the warm-up's moments
+        restart(model, run, params)
         run.ran = ran(model, run)
         if why := mismatch(run.asked, run.ran):  # never time one thing under another's name
             run.failure = f"ran something else than its row says: {why}"
@@ -243,6 +242,14 @@ def train(model, run: Run, params, X, y, X_test, y_test, orders, args, quiet: bo
         return run
 
 
+def restart(model, run: Run, params) -> None:
+    """The model back at the initial parameters, and Adam's moments and step count forgotten: a timed run starts at a
+    first step, as the lockstep's does, not where the warm-up or an earlier round left it."""
+    model.load_state_dict(params)
+    if "optimizer" in run.asked:
+        model.load_optimizer_state({})
+
+
 def pace(run: Run, params, X, y, args) -> float:
     """Seconds a step of level 1 (the run) takes here, now: a fresh model's first steps (after 8 untimed), on its
     row's threads."""
@@ -255,10 +262,10 @@ def pace(run: Run, params, X, y, args) -> float:
 
 
 def estimate(rows: int, steps: int, step_s: float, args) -> float:
-    """Seconds the job will take, roughly, at level 1's pace (step_s) for every step: each row's epochs (and its
-    warm-up epoch) in each round (a later one LATER_ROUND_EPOCHS of them), level 1's honest runs (the float64 twin's
+    """Seconds the job will take, roughly, at level 1's pace (step_s) for every step: each row's warm-up epoch and its
+    epochs in each round (a later one LATER_ROUND_EPOCHS of them), level 1's honest runs (the float64 twin's
     at TWIN_COST, and its reruns), and the lockstep's steps at LOCKSTEP_COST, over --jobs; and FIXED_S."""
-    epochs = args.epochs + 1 + (args.rounds - 1) * (min(LATER_ROUND_EPOCHS, args.epochs) + 1)
+    epochs = 1 + args.epochs + (args.rounds - 1) * min(LATER_ROUND_EPOCHS, args.epochs)
     training = rows * epochs * steps + (TWIN_COST + verify.HONEST_SAMPLES) * args.epochs * steps
     lockstep = LOCKSTEP_COST * (rows - 1) * args.epochs * steps / args.jobs
     return FIXED_S + step_s * (training + lockstep)
@@ -336,7 +343,8 @@ def verify_runs(runs: list[Run], params, X, y, X_test, y_test, orders, args, qui
         records, reference_diverged, (twin, *samples) = parallel.lockstep(
             {run.label: run.factory for run in checked}, params, data, orders, args.batch, args.lr, args.jobs,
             network, optimizer, clock, workers,
-            partial(honest_runs_of, twin, reference, params, data, orders, args.batch, args.lr),
+            [partial(honest_run_of, k, twin, reference, params, data, orders, args.batch, args.lr)
+             for k in range(1 + verify.HONEST_SAMPLES)],
             compiling=frozenset(run.label for run in checked if run.factory.peer in COMPILING))
     else:
         twin, *samples = honest_runs(twin, reference, params, X, y, X_test, y_test, orders, args, clock)
@@ -618,22 +626,26 @@ class TrainingData:
 def honest_runs(twin: Run, reference: Run, params, X, y, X_test, y_test, orders, args, clock: Phases) -> list[Run]:
     """Level 1's honest runs, the yardstick of float32 noise (verify.free_run_noise), untimed: its float64 twin's, then
     verify.HONEST_SAMPLES of level 1's own with the rows of each batch permuted."""
-    samples = [Run(f"{reference.label} rows permuted ({k})", 1, reference.device, reference.factory, reference.asked)
-               for k in range(1, verify.HONEST_SAMPLES + 1)]
-    for k, run in enumerate([twin, *samples]):
-        run_orders = [verify.rows_permuted(order, args.batch, k) for order in orders] if k else orders
-        with clock(f"{run.label}: made"):
-            model = run.factory(params)
-        train(model, run, params, X, y, X_test, y_test, run_orders, args, True, clock, warm_up=False)
-    return [twin, *samples]
+    return [honest_run(k, twin, reference, params, X, y, X_test, y_test, orders, args, clock)
+            for k in range(1 + verify.HONEST_SAMPLES)]
 
 
-def honest_runs_of(twin: Run, reference: Run, params, data: TrainingData, orders, batch: int, lr: float) -> list[Run]:
-    """honest_runs in a worker process beside the lockstep: the training set read again there."""
+def honest_run(k: int, twin: Run, reference: Run, params, X, y, X_test, y_test, orders, args, clock: Phases) -> Run:
+    """Honest run k: the float64 twin's (k = 0), or level 1's own with the rows of each batch permuted by sample k."""
+    run = twin if k == 0 else Run(f"{reference.label} rows permuted ({k})", 1, reference.device, reference.factory,
+                                  reference.asked)
+    run_orders = [verify.rows_permuted(order, args.batch, k) for order in orders] if k else orders
+    with clock(f"{run.label}: made"):
+        model = run.factory(params)
+    return train(model, run, params, X, y, X_test, y_test, run_orders, args, True, clock, warm_up=False)
+
+
+def honest_run_of(k: int, twin: Run, reference: Run, params, data: TrainingData, orders, batch: int, lr: float) -> Run:
+    """honest_run in a worker process beside the lockstep, one job each: the training set read again there."""
     X, y = data()
     test = load_mnist(quiet=True)
-    return honest_runs(twin, reference, params, X, y, normalize(test.test_images), test.test_labels, orders,
-                       argparse.Namespace(batch=batch, lr=lr), Phases())
+    return honest_run(k, twin, reference, params, X, y, normalize(test.test_images), test.test_labels, orders,
+                      argparse.Namespace(batch=batch, lr=lr), Phases())
 
 
 def run_settings(args) -> dict:
@@ -762,16 +774,20 @@ def job(args: argparse.Namespace) -> int:
     with clock("the machine's load, before and after the timed rows"):
         calibration = [calibrate()]
         before = snapshot()
+    models = {}  # each row's model, made and warmed up once: a later round times it again from the start
     for round_ in range(args.rounds):  # a disturbance of the machine lands in one round of several rows
         for run in runs:
             if len(run.rounds) > round_:  # timed before the run was stopped (--resume)
                 continue
-            with clock(f"{run.label}: made"):
-                model = run.factory(params)
-            train(model, run, params, X, y, X_test, y_test, orders, args, quiet, clock)
+            made = run.label not in models
+            if made:
+                with clock(f"{run.label}: made"):
+                    models[run.label] = run.factory(params)
+            train(models[run.label], run, params, X, y, X_test, y_test, orders, args, quiet, clock, warm_up=made)
             progress.save(run)
             if len(run.rounds) == args.rounds:
                 print(f"{run.label}: {row_time(run, steps_per_epoch)}; its check comes after the last row's")
+                del models[run.label]  # its last round: freed, as every row's model is before the lockstep
     with clock("the machine's load, before and after the timed rows"):
         after = snapshot()
         calibration.append(calibrate())
@@ -790,6 +806,7 @@ def job(args: argparse.Namespace) -> int:
     settings = run_settings(args)
     settings["train_size"] = n
     settings["later_round_epochs"] = LATER_ROUND_EPOCHS if LATER_ROUND_EPOCHS < args.epochs else None  # else whole
+    settings["warm_up"] = "once per row"  # a later round times the same warm model again (before: a new one, warmed up)
     print(timing_rule(settings) + "\n")
     print_table(rows, args.wide)
     if line := ties_line(runs):
@@ -871,11 +888,15 @@ def duration(seconds: float) -> str:
 
 def timing_rule(settings: dict) -> str:
     """How a run's times were taken, in a sentence, from its settings (results.json's): its rounds, and the epochs a
-    later round timed (no later_round_epochs: the whole run, as each round did before LATER_ROUND_EPOCHS)."""
+    later round timed (no later_round_epochs: the whole run, as each round did before LATER_ROUND_EPOCHS), and whether
+    a later round timed the same warm model again (warm_up "once per row") or a new one, warmed up."""
     rounds, later_epochs = settings.get("rounds", 1), settings.get("later_round_epochs")
     if rounds == 1:
         return f"Timing: {WARM_UP}; us/step is the median epoch's."
-    later = f" (the first its whole run, each later one its first {later_epochs} epochs)" if later_epochs else ""
+    again = ("the same warm model from the initial weights" if settings.get("warm_up") == "once per row"
+             else "a new model, warmed up")
+    later = (f" (the first its whole run, each later one {again}, its first {later_epochs} epochs)" if later_epochs
+             else f" (each later one {again})")
     return (f"Timing: {WARM_UP}; every row timed {rounds} times, in rounds over the rows{later}; us/step is the "
             f"median of the rounds' median epochs, with their range; a row whose rounds are more than {STEADY_RATIO}x "
             "apart is flagged unsteady and not published.")

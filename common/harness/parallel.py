@@ -11,16 +11,16 @@ level's model once (its CUDA context, compiled graphs), then checks whole stretc
 state there, with verify.Lockstep itself. The stretches' records are joined in step order, and a level's first
 failure ends its record, as in one process.
 
-A model whose making compiles its step (torch.compile, JAX's XLA: the `compiling` labels) costs seconds to minutes in
-every process that makes it, and processes compiling at once slow each other down. Those models are checked in at
-most COMPILING_PROCESSES long stretches instead, each made in one process: the same steps, each checked once.
+A model whose making compiles its step (torch.compile, JAX's XLA: the `compiling` labels) costs seconds in every
+process that makes it, even with the compilers' caches warm (common/harness/compile_cache.py), and processes compiling
+at once slow each other down. Those models are checked in at most COMPILING_PROCESSES long stretches instead, each
+made in one process: the same steps, each checked once.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.pool
-import os
 import pickle
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -28,6 +28,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from common.harness import verify
+from common.harness.environment import environment
 from common.harness.phases import Phases
 from common.levels import level
 from common.nets import Network
@@ -35,19 +36,19 @@ from common.nets.optimizers import SGD, Optimizer
 
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 STRETCHES_PER_JOB = 3  # a stretch per worker would leave the others idle once the fastest is done
-COMPILING_PROCESSES = 4  # at most this many processes make a compiling model: fewer compilations, longer stretches
+COMPILING_PROCESSES = 8  # at most this many processes make a compiling model: fewer compilations, longer stretches
 
 _worker: dict = {}  # in a worker process: its models, the data, the network and the optimizer
 
 
 def lockstep(factories: dict[str, Callable], params: dict[str, np.ndarray], data: Callable, orders: list[np.ndarray],
              batch: int, lr: float, jobs: int, network: Network, optimizer: Optimizer = SGD,
-             clock: Phases | None = None, workers: Phases | None = None, also: Callable | None = None,
+             clock: Phases | None = None, workers: Phases | None = None, also: list[Callable] = (),
              compiling: frozenset[str] = frozenset()):
     """verify.lockstep over `jobs` processes: each model made in each worker by its factory (picklable, as
-    compare.Factory), the training set by `data()` -> (X, y). `also`: one more picklable job for the pool, run beside
-    the lockstep (the float64 twin's free run); its result is returned third. Returns (records, why level 1 diverged
-    or None, also's result); `clock` gets the lockstep's wall time, `workers` each model's time summed over the
+    compare.Factory), the training set by `data()` -> (X, y). `also`: more picklable jobs for the pool, started
+    first, beside the lockstep (level 1's honest runs). Returns (records, why level 1 diverged or None, the results of
+    `also`, in order); `clock` gets the lockstep's wall time, `workers` each model's time summed over the
     workers. `compiling`: the labels of the models whose making compiles, checked in few long stretches."""
     clock, workers = clock or Phases(), workers or Phases()
     X, y = data()
@@ -58,7 +59,7 @@ def lockstep(factories: dict[str, Callable], params: dict[str, np.ndarray], data
     # wait for every worker's start in turn. Each task brings level 1's state, through the pool's queue.
     with single_threaded(), multiprocessing.pool.Pool(
             jobs, _start, (pickle.dumps((factories, data)), network.name, optimizer.name), context=_SPAWN_PARENTS) as pool:
-        extra = pool.apply_async(also) if also else None
+        extra = [pool.apply_async(job) for job in also]  # the longest jobs: each a whole free run
         pending, diverged = [], None
         with clock("lockstep: level 1 alone, its state at each stretch"):
             for (first, end), state in zip(starts, level1_states(params, X, y, batches, lr, network, optimizer,
@@ -70,7 +71,7 @@ def lockstep(factories: dict[str, Callable], params: dict[str, np.ndarray], data
                     pending.append(pool.apply_async(_check, (first, state, batches[first:task_end], lr, labels)))
         with clock(f"lockstep: every level, in {jobs} processes"):
             stretch_results = [result.get() for result in pending]
-            also_result = extra.get() if extra else None
+            also_results = [result.get() for result in extra]
             pool.close()
             pool.join()
     stretch_results.sort(key=lambda result: result[0])  # in step order
@@ -78,7 +79,7 @@ def lockstep(factories: dict[str, Callable], params: dict[str, np.ndarray], data
     for _, _, seconds, _ in stretch_results:
         workers.merge(seconds)
     diverged = next((why for _, _, _, why in stretch_results if why), diverged)
-    return records, diverged, also_result
+    return records, diverged, also_results
 
 
 class _ParentProcess(multiprocessing.context.SpawnProcess):
@@ -163,16 +164,8 @@ def join(parts: list[dict[str, verify.LockstepRecord]], labels: list[str], netwo
 def single_threaded():
     """Worker processes started inside the block run their BLAS and OpenMP on one thread each (they inherit the
     environment): several workers' thread pools, each spinning while it waits, would only fight over the cores."""
-    before = {name: os.environ.get(name) for name in THREAD_VARIABLES}
-    os.environ.update({name: "1" for name in THREAD_VARIABLES})
-    try:
+    with environment({name: "1" for name in THREAD_VARIABLES}):
         yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = value
 
 
 def _start(made: bytes, network: str, optimizer: str) -> None:
