@@ -158,6 +158,12 @@ class CompileLoop(GraphLoop):
     def __init__(self, params: dict[str, np.ndarray], device: str = "cuda"):
         super().__init__(params, device=device)
         self.optimizer = torch.optim.SGD(self.net.parameters(), lr=0.0, fused=True)  # one kernel for every tensor
+        # Compiled in this process: inductor's default, a pool of one worker process per core, each importing PyTorch,
+        # keeps every core busy for seconds after the compile (it slowed the rows timed next, and the lockstep's
+        # processes that make this model). The kernels it generates are the same.
+        import torch._inductor.config as inductor
+
+        inductor.compile_threads = 1
         # static shapes: one compilation per batch size (a partial last batch is another)
         self._compiled = torch.compile(batch_loss, dynamic=False)
 

@@ -36,7 +36,7 @@ from common.nets.optimizers import SGD, Optimizer
 
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 STRETCHES_PER_JOB = 3  # a stretch per worker would leave the others idle once the fastest is done
-COMPILING_PROCESSES = 8  # at most this many processes make a compiling model: fewer compilations, longer stretches
+COMPILING_PROCESSES = 4  # at most this many processes make a compiling model: fewer compilations, longer stretches
 
 _worker: dict = {}  # in a worker process: its models, the data, the network and the optimizer
 
