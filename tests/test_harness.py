@@ -10,6 +10,7 @@ import pytest
 
 from common.contract import is_immutable
 from common.harness import bench, compare
+from common.harness.data import load_mnist
 from common.levels import LEVELS, ROOT, gpu_tag, level, missing
 from common.nets import get
 from common.nets.mlp import PARAM_NAMES, init_params, param_shapes
@@ -210,11 +211,13 @@ def test_the_table_fits_a_terminal_says_its_units_and_sums_up_the_ties(tmp_path,
     assert compare.main(args) == 0
     out = capsys.readouterr().out
     assert "this will take about" in out and "took " in out and "(estimated: about" in out
-    assert "ties found and explained (not failures; --verbose lists them): level3[cpu] 1 at step 58;" in out
+    full = not load_mnist(quiet=True).offline  # the tie at step 58 is the full MNIST's (not the offline subset's)
+    if full:
+        assert "ties found and explained (not failures; --verbose lists them): level3[cpu] 1 at step 58;" in out
     assert "tie: " not in out and "where the" not in out
     assert compare.main(args + ["--verbose", "--wide"]) == 0
     out = capsys.readouterr().out
-    assert "tie: level3[cpu] at step 58" in out and "where the" in out and "GFLOP/s" in out
+    assert ("tie: level3[cpu] at step 58" in out or not full) and "where the" in out and "GFLOP/s" in out
     assert compare.ties_line([compare.Run("level4[cpu]", 4, "cpu", None, lockstep={"ties": [{"step": s} for s in
                                                                                          (3, 9, 27, 81)]})]) \
         .endswith("level4[cpu] 4 at steps 3, 9, 27 and 1 more")

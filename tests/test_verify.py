@@ -272,6 +272,8 @@ TEST_IMAGES = 2000
 def free_runs(network: str, optimizer: str, n: int, batch: int, epochs: int, mnist, levels=(3, 8)):
     """compare's free runs of level 1, of its honest runs and of `levels` (level numbers, or a class standing in for
     level 3), untimed; (each level's verdict, the noise)."""
+    if n > len(mnist[0]):
+        pytest.skip(f"a run of {n:,} training images: the data set here has {len(mnist[0]):,} (the offline subset)")
     net, rule = get(network), optimizers.get(optimizer)
     params, options = net.network.init_params(0), rule.options
     X, y, X_test, y_test = mnist[0][:n], mnist[1][:n], mnist[2][:TEST_IMAGES], mnist[3][:TEST_IMAGES]
