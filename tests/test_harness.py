@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import numpy as np
@@ -72,6 +73,13 @@ def test_every_trainable_level_is_reported_or_skipped_with_a_reason(tmp_path, ca
     assert (tmp_path / "loss_curves.png").stat().st_size > 0 and (tmp_path / "lockstep.png").stat().st_size > 0
 
 
+@pytest.fixture
+def cpu_rows(monkeypatch):
+    """A table of the CPU's rows, whatever the machine: on one with a GPU, level 1 on CUDA and the peers would be rows
+    too, and these tests read rows by their place."""
+    monkeypatch.setattr(compare, "gpu_available", lambda: False)
+
+
 def test_a_level_that_disagrees_fails_the_job(tmp_path, monkeypatch, capsys):
     cls = level(3).load()
     original = cls.train_epoch
@@ -86,7 +94,7 @@ def test_a_peer_is_checked_and_reported_but_the_exit_status_is_the_levels(tmp_pa
     cls = level(3).load()
     original = cls.train_epoch
     off = type("OffByALittle", (cls,), {"train_epoch": lambda self, *a, **k: original(self, *a, **k) + 1e-3})
-    monkeypatch.setattr(compare, "gpu_available", lambda: True)  # level 1 on CUDA is then skipped, with its reason
+    monkeypatch.setattr(compare, "gpu_available", lambda: True)  # on a machine without one, level 1 on CUDA is skipped
     monkeypatch.setattr(compare, "machine", lambda: {"cpu": "test"})
     monkeypatch.setattr(compare, "peer_runs", lambda model: [compare.Run("torch-graph[cuda]", 1, "cpu", off)])
     monkeypatch.setattr(compare, "missing_peers", lambda network: {"jax-scan": "JAX is not installed"})
@@ -97,7 +105,8 @@ def test_a_peer_is_checked_and_reported_but_the_exit_status_is_the_levels(tmp_pa
     assert "skipping the peer jax-scan: JAX is not installed" in out
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["peers_not_run"] == {"jax-scan": "JAX is not installed"}
-    assert [row["agrees"] for row in results["table"]] == [True, True, False]
+    agrees = {row["level"]: row["agrees"] for row in results["table"]}
+    assert agrees.pop("torch-graph[cuda]") is False and all(agrees.values())  # level 1 on CUDA too, where it ran
     assert all(row["speedup_vs_graph"] > 0 and row["speedup_vs_eager"] is None for row in results["table"])
     table = bench.markdown_table(results)
     assert "| vs L1 cpu | vs graph | GFLOP/s |" in table  # the peers it had
@@ -131,7 +140,7 @@ def test_a_row_whose_rounds_disagree_is_flagged_not_published(tmp_path, monkeypa
     assert "unsteady" in compare.table(list(rows.values()))
 
 
-def test_a_row_says_what_ran_and_fails_when_the_model_ran_something_else(tmp_path, monkeypatch, capsys):
+def test_a_row_says_what_ran_and_fails_when_the_model_ran_something_else(tmp_path, monkeypatch, capsys, cpu_rows):
     """Each row records the variant the trained model reports (variant()), and a row whose model reports another
     than the one asked for fails instead of being timed under the wrong name."""
     cls = level(3).load()
@@ -198,7 +207,7 @@ def test_a_busy_machine_is_named_and_a_quiet_one_is_not(tmp_path, monkeypatch, c
         assert ("**Measured on a busy machine**" in bench.markdown_table(results)) == warned
 
 
-def test_the_table_fits_a_terminal_says_its_units_and_sums_up_the_ties(tmp_path, capsys):
+def test_the_table_fits_a_terminal_says_its_units_and_sums_up_the_ties(tmp_path, capsys, cpu_rows):
     """The default view: at most 110 columns, even with four peers (the committed H100 run, an older results.json),
     the units under it; --wide and the Markdown table keep every column. One line sums up the ties by level; --verbose
     lists them. Before training the job says how long it will take, and at the end how long it took."""
@@ -211,13 +220,19 @@ def test_the_table_fits_a_terminal_says_its_units_and_sums_up_the_ties(tmp_path,
     assert compare.main(args) == 0
     out = capsys.readouterr().out
     assert "this will take about" in out and "took " in out and "(estimated: about" in out
-    full = not load_mnist(quiet=True).offline  # the tie at step 58 is the full MNIST's (not the offline subset's)
-    if full:
-        assert "ties found and explained (not failures; --verbose lists them): level3[cpu] 1 at step 58;" in out
+    runs = json.loads((tmp_path / "results.json").read_text())["runs"]
+    tied = {run["label"]: [tie["step"] for tie in run["lockstep"]["ties"]] for run in runs if run.get("lockstep")}
+    line = next((line for line in out.splitlines() if line.startswith("ties found and explained")), "")
+    assert all((f"{label} {len(steps)} at step" in line) == bool(steps) for label, steps in tied.items()), line
+    # The full MNIST's step 58 has a ReLU within float32's reach of 0 (not the offline subset's). Which level's sums
+    # round it the other way depends on the CPU's BLAS (level 3 on this course's CI, level 4 on an H200's host).
+    full = not load_mnist(quiet=True).offline
+    assert re.search(r"level[34]\[cpu\] 1 at step 58\b", line) or not full, line
     assert "tie: " not in out and "where the" not in out
     assert compare.main(args + ["--verbose", "--wide"]) == 0
     out = capsys.readouterr().out
-    assert ("tie: level3[cpu] at step 58" in out or not full) and "where the" in out and "GFLOP/s" in out
+    assert (re.search(r"tie: level[34]\[cpu\] at step 58\b", out) or not full) and "where the" in out
+    assert "GFLOP/s" in out
     assert compare.ties_line([compare.Run("level4[cpu]", 4, "cpu", None, lockstep={"ties": [{"step": s} for s in
                                                                                          (3, 9, 27, 81)]})]) \
         .endswith("level4[cpu] 4 at steps 3, 9, 27 and 1 more")
@@ -264,7 +279,7 @@ def test_committed_variants_that_are_the_same_bits_launched_their_own_kernels():
     assert checked, "no committed rows of one level that are the same bits were checked against a profile"
 
 
-def test_adam_trains_the_levels_that_implement_it_and_says_so(tmp_path, capsys):
+def test_adam_trains_the_levels_that_implement_it_and_says_so(tmp_path, capsys, cpu_rows):
     """--optimizer adam: the levels that implement Adam train with it (PyTorch's lr, 1e-3, by default) and are
     verified with its state; the others are skipped with the reason; results.json records it in its settings and, read
     back from each model, in each row's variant."""
@@ -296,7 +311,8 @@ def test_a_level_that_trains_with_another_optimizer_than_asked_fails(tmp_path, m
 
 
 @pytest.mark.parametrize("optimizer, lr", [("sgd", 0.01), ("adam", 1e-3)])
-def test_the_timed_epochs_come_after_an_untimed_one_from_the_same_weights(tmp_path, monkeypatch, mnist, optimizer, lr):
+def test_the_timed_epochs_come_after_an_untimed_one_from_the_same_weights(tmp_path, monkeypatch, mnist, optimizer, lr,
+                                                                          cpu_rows):
     """Compilation and graph captures happen in a first call: the harness trains one epoch before the clock starts,
     then loads the initial weights back, and forgets Adam's moments, so the free run is the one the lockstep checks,
     from a first step."""
