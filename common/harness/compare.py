@@ -308,7 +308,8 @@ def busy(before: dict, after: dict, calibration: list[float], cores: int) -> tup
     """Why the machine was too busy while the rows were timed (between two snapshots, the fixed loop timed just before
     and just after) for their times to be trusted, or None; and how many cores the other programs used on average,
     where the system says. Too busy: the others used more than BUSY_CORES, or the loop's two times are more than
-    BUSY_RATIO apart, or the load average passed the core count."""
+    BUSY_RATIO apart; where the system does not say (no /proc/stat), the load average passed the core count. The load
+    average counts this job's own processes too (level 9's workers), so it is only the fallback."""
     why, others = [], None
     if before["cpu_s"] is not None and after["cpu_s"] is not None:
         wall = max(after["wall_s"] - before["wall_s"], 1e-9)
@@ -319,7 +320,8 @@ def busy(before: dict, after: dict, calibration: list[float], cores: int) -> tup
     if max(first, last) > BUSY_RATIO * min(first, last):
         why.append(f"a fixed loop took {first * 1e3:.0f} ms before the timed rows and {last * 1e3:.0f} ms after, more "
                    f"than {BUSY_RATIO}x apart")
-    if (high := max(x for x in (before["load_average"], after["load_average"], 0.0) if x is not None)) > cores:
+    if others is None and (high := max(x for x in (before["load_average"], after["load_average"], 0.0)
+                                       if x is not None)) > cores:
         why.append(f"the load average reached {high:.1f} on {cores} cores")
     return "; ".join(why) or None, others
 
