@@ -47,8 +47,8 @@ from level1_pytorch.peers import COMPILING, NAMES as PEERS  # on a GPU, the yard
 
 REFERENCE = "level1[cpu]"
 WARM_UP = "one untimed epoch first (then the initial weights back), then each epoch timed"  # train() does it
-# A row's rounds (--rounds: the timed run again, on a fresh model, each round over every row) must agree: its
-# slowest round at most this many times its fastest (each round's median epoch). A row past it is flagged
+# A row's rounds (--rounds: the timed run again, on the row's warm model, each round over every row) must agree:
+# its slowest round at most this many times its fastest (each round's median epoch). A row past it is flagged
 # "unsteady" and its time and ratios are not published: one disturbed run must not set a number.
 STEADY_RATIO = 1.2
 # A later round times the run's first epochs again, at most this many: the spread needs each round's median epoch,
