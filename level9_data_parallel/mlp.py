@@ -28,13 +28,13 @@ import signal
 import tempfile
 import traceback
 import weakref
-from contextlib import contextmanager
 from datetime import timedelta
 from multiprocessing.connection import wait
 
 import numpy as np
 
 from common.contract import DataCache, check_params, check_training, check_X, check_y, n_steps
+from common.environment import environment
 from common.nets import mlp
 
 WORLD = 2  # workers, one replica each
@@ -350,21 +350,10 @@ class _Workers:
         self.folder.cleanup()
 
 
-@contextmanager
 def _one_thread():
     """BLAS on one thread in the workers started inside the block (they inherit the environment): WORLD workers share
     the cores."""
-    names = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
-    before = {name: os.environ.get(name) for name in names}
-    os.environ.update({name: "1" for name in names})
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    return environment({name: "1" for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")})
 
 
 class MLP:

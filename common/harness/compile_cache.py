@@ -20,7 +20,7 @@ import sys
 import tempfile
 from contextlib import contextmanager
 
-from common.harness.environment import environment
+from common.environment import environment
 
 FOLDER = "JAX_COMPILATION_CACHE_DIR"
 
@@ -41,8 +41,9 @@ def shared():
         yield
         return
     with tempfile.TemporaryDirectory(prefix="course-xla-cache-") as folder:  # mode 0700: this user's alone
-        with environment(settings(folder)) as before:  # read by JAX where it is imported after this: the workers
-            _configure_imported_jax(settings(folder))  # ... and where this process imported it already
+        values = settings(folder)
+        with environment(values) as before:  # read by JAX where it is imported after this: the workers
+            _configure_imported_jax(values)  # ... and where this process imported it already
             try:
                 yield
             finally:

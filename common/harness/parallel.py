@@ -28,7 +28,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from common.harness import verify
-from common.harness.environment import environment
+from common.environment import environment
 from common.harness.phases import Phases
 from common.levels import level
 from common.nets import Network
