@@ -81,23 +81,33 @@ def loss_curves(runs, twin, out: Path, title: str, epochs: int) -> None:
             yscale="log", title=f"Level 1's free run and its float64 twin\n{title}")
     top.legend(fontsize=8)
 
-    x = np.arange(1, epochs + 1)
+    epoch_offsets(bottom, runs, twin, epochs, palette)
+    fig.tight_layout()
+    fig.savefig(out / "loss_curves.png", dpi=120, bbox_inches="tight")  # with the legend beside the lower panel
+    plt.close(fig)
+
+
+def epoch_offsets(ax, runs, twin, epochs: int, palette: dict[str, str]) -> None:
+    """Each epoch's mean loss minus level 1's: a column per epoch, each run a stem of its own in it (side by side, so
+    runs that agree to the last digit stay visible), the allowed band a box per epoch, the legend beside the panel."""
+    reference = runs[0]
     mean_1 = verify.epoch_means(reference.losses, epochs)
+    x = np.arange(1, epochs + 1)
+    series = [(twin, "black", "float64 twin (the noise)")] + [
+        (run, palette[run.label], run.label) for run in runs[1:] if len(run.losses) == len(reference.losses)]
     band = next((np.asarray(r.free_run["band"]) for r in runs[1:] if r.free_run and r.free_run["band"]), None)
     if band is not None:
-        bottom.fill_between(x, -band, band, color="red", alpha=0.12, label="allowed: 4x float32's noise")
-    bottom.plot(x, verify.epoch_means(twin.losses, epochs) - mean_1, "k--", lw=1, label="float64 twin (the noise)")
-    for run in runs[1:]:
-        if len(run.losses) == len(reference.losses):
-            bottom.plot(x, verify.epoch_means(run.losses, epochs) - mean_1, "o-", ms=4, lw=1, color=palette[run.label],
-                        label=run.label)
-    bottom.axhline(0, color="gray", lw=0.5)
-    bottom.set_xticks(x)
-    bottom.set(xlabel="epoch", ylabel="mean loss - level 1's", title="Each epoch's mean loss against level 1's")
-    bottom.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(out / "loss_curves.png", dpi=120)
-    plt.close(fig)
+        ax.bar(x, 2 * band, bottom=-band, width=0.9, color="red", alpha=0.12, label="allowed: 4x float32's noise")
+    width = 0.8 / len(series)
+    for i, (run, shade, label) in enumerate(series):
+        at = x + (i - (len(series) - 1) / 2) * width
+        offset = verify.epoch_means(run.losses, epochs) - mean_1
+        ax.vlines(at, 0, offset, color=shade, lw=1)
+        ax.plot(at, offset, "o" if run is not twin else "s", ms=4, color=shade, label=label)
+    ax.axhline(0, color="gray", lw=0.5)
+    ax.set_xticks(x)
+    ax.set(xlabel="epoch", ylabel="mean loss - level 1's", title="Each epoch's mean loss against level 1's")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
 
 
 def lockstep(runs, out: Path, title: str, epochs: int) -> None:
