@@ -1,7 +1,8 @@
-"""Plant the chapter's classic bugs, one at a time, and show which tests catch each.
+"""Plant the chapter's classic bugs, each in a copy of its own, and show which tests catch each.
 
     python tests/plant_bugs.py                     # the CPU levels: 1 to 4, and 8 (its CPU backend)
     python tests/plant_bugs.py --levels 5,6,7 -- --require-gpu   # on the GPU machine; after -- : pytest options
+    python tests/plant_bugs.py --jobs 2 -- -n 8                 # two bugs at once, each tested on 8 workers
 
 Each bug is a one-line edit applied to a scratch copy of the repository (the working tree is never
 touched), which is then built and tested with `pytest -m levelN`. A bug that no test catches is a
@@ -18,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from common.classroom.grade import BUILDS
@@ -262,16 +264,23 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--levels", default="1,2,3,4,8", help="comma-separated levels whose bugs to plant")
     p.add_argument("--match", default="", help="only the bugs whose description contains this text")
+    p.add_argument("--jobs", type=int, default=1, help="bugs planted at once, each in its own copy (on a GPU machine "
+                   "of 16 cores: --jobs 2 -- -n 8)")
     p.add_argument("pytest_args", nargs="*", help="passed on to pytest (after --)")
     args = p.parse_args()
+    if args.jobs < 1:
+        p.error(f"--jobs must be >= 1, got {args.jobs}")
     levels = {int(n) for n in args.levels.split(",")}
+    bugs = [bug for bug in BUGS if bug[0] in levels and args.match in bug[4]]
     missed = 0
-    for level, file, good, bad, what in (bug for bug in BUGS if bug[0] in levels and args.match in bug[4]):
-        failed = plant(level, file, good, bad, what, args.pytest_args)
-        missed += not failed
-        print(f"level {level}: {what}: {'CAUGHT by ' + str(len(failed)) + ' tests' if failed else 'NOT CAUGHT'}")
-        for test in failed:
-            print(f"    {test}")
+    with ThreadPoolExecutor(args.jobs) as pool:  # threads suffice: each waits on its own build and pytest
+        verdicts = pool.map(lambda bug: plant(*bug, args.pytest_args), bugs)
+        for (level, _, _, _, what), failed in zip(bugs, verdicts):  # printed in BUGS' order, each once it is known
+            missed += not failed
+            print(f"level {level}: {what}: {'CAUGHT by ' + str(len(failed)) + ' tests' if failed else 'NOT CAUGHT'}",
+                  flush=True)
+            for test in failed:
+                print(f"    {test}")
     return 1 if missed else 0
 
 
