@@ -122,9 +122,12 @@ HOSTILE = {
                              "                mine.write_text('raise SystemExit(\"sabotaged\")\\n')\n"
                              "            except OSError:\n"
                              "                pass\n"),
-    # Fills /tmp, /dev/shm, its folder and its home with files of 1 GiB until they are full.
+    # Fills /tmp, /dev/shm, its folder and its home with files of 1 GiB until they are full, at its first call; they
+    # stay full for every later one. (Filling them again at each call costs the time of a slow answer, nothing more.)
     "floods /tmp": ("    import os\n"
                     "    for folder in ('/tmp', '/dev/shm', os.getcwd(), os.path.expanduser('~')):\n"
+                    "        if os.path.exists(os.path.join(folder, 'lab-flood-0')):\n"
+                    "            continue\n"
                     "        for i in range(64):\n"
                     "            try:\n"
                     "                with open(os.path.join(folder, f'lab-flood-{i}'), 'wb') as f:\n"

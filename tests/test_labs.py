@@ -613,6 +613,11 @@ def statuses(grade: dict, level: int) -> dict[str, str]:
     return {task: t["status"] for task, t in grade.items() if lab.task(task).level == level}
 
 
+def notes(grade: dict) -> dict[str, str]:
+    """The notes a grade has (an assertion on its statuses prints them: why a task failed)."""
+    return {task: t["note"] for task, t in grade.items() if t["note"]}
+
+
 def honest(level: int, passing: set[str] = frozenset(), failing: set[str] = frozenset()) -> dict[str, str]:
     """A level's statuses for a submission of one file of it whose code is correct but where failing fail: "pass"
     for its file's tasks (the level's row too, when all pass), "blocked" where one fails, else "not attempted"."""
@@ -658,9 +663,11 @@ def test_the_gradebook_grades_each_kind_of_submission(gradebook):
                  "oversized answer", "torch through builtins")
     passes = ("deletes", "daemon", "sabotages the others", "floods /tmp", "log link")
     for kind in fails_3_1:
-        assert statuses(by_kind[f"hostile: {kind}"], 3) == honest(3, {MLP3}, {"3.1"}), kind
+        grade = by_kind[f"hostile: {kind}"]
+        assert statuses(grade, 3) == honest(3, {MLP3}, {"3.1"}), (kind, notes(grade))
     for kind in passes:
-        assert statuses(by_kind[f"hostile: {kind}"], 3) == honest(3, {MLP3}), kind
+        grade = by_kind[f"hostile: {kind}"]
+        assert statuses(grade, 3) == honest(3, {MLP3}), (kind, notes(grade))
     torch = by_kind["hostile: uses torch"]  # the whole file is refused; the level's other file (LeNet's) is absent
     assert statuses(torch, 3) == honest(3, {MLP3}, {t.id for t in lab.TASKS if t.path == MLP3})
     for kind in ("git file", "git alternates"):  # nothing taken from another repository
