@@ -817,3 +817,32 @@ def test_an_edition_in_the_courses_folder_uses_the_courses_environment(tmp_path)
     assert "../.venv/bin/python -m common.classroom.grade" in dry_grade() and "-m venv" not in dry_grade()
     (course / ".venv" / ".installed").unlink()
     assert "python3 -m venv .venv" in dry_grade() and ".venv/bin/python -m common.classroom.grade" in dry_grade()
+
+
+def test_a_task_stops_at_its_first_failing_check_and_the_others_go_on(tmp_path):
+    """Once one of a task's checks fails, its status is settled: its later checks are skipped (a bug's grade costs
+    the time to find it), while every other task's checks still run."""
+    checks = tmp_path / "test_checks.py"
+    ran = tmp_path / "ran"
+    checks.write_text(
+        "import pytest\n"
+        f"RAN = {str(ran)!r}\n"
+        "def mark(name):\n"
+        "    open(RAN, 'a').write(name + '\\n')\n"
+        "@pytest.mark.task('3.1')\n"
+        "def test_first_passes(): mark('first')\n"
+        "@pytest.mark.task('3.1')\n"
+        "def test_second_fails(): mark('second'); assert 1 == 2\n"
+        "@pytest.mark.task('3.1')\n"
+        "def test_third(): mark('third')\n"
+        "@pytest.mark.task('3.3')\n"
+        "def test_other_task(): mark('other')\n")
+    results = {t: grader.Result(lab.task(t), "run") for t in ("3.1", "3.3")}
+    recorder = grader.Recorder(results)
+    pytest.main([str(checks), "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "--rootdir", str(tmp_path)],
+                plugins=[recorder])
+    assert ran.read_text().split() == ["first", "second", "other"]
+    assert [outcome for _, outcome, _ in results["3.1"].outcomes] == ["passed", "failed", "skipped"]
+    assert "not run: 3.1 already failed (test_second_fails)" in results["3.1"].outcomes[2][2]
+    assert grader.settle(results["3.1"], []) == ("FAIL", "assert 1 == 2 (test_second_fails)")
+    assert grader.settle(results["3.3"], [])[0] == "pass"

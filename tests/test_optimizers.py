@@ -12,11 +12,13 @@ by a factor of 3, and eps inside the square root moves the updates of small grad
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
 
-from common.harness import verify
+from common.harness import compare, verify
 from common.harness.verify import U
 from common.levels import LEVELS, level
 from common.nets import get, optimizers
@@ -340,3 +342,30 @@ def test_adam_in_lockstep_with_level1_on_real_digits(request, mnist, impl, netwo
     assert len(record.used) == epochs * -(-n // 16) and max(record.used) <= 1
     assert record.names[-1] == f"{net.network.PARAM_NAMES[-1]}.exp_avg_sq"  # the moments were checked too
     assert len(record.ties) <= 2, [t.describe() for t in record.ties]
+
+
+# `make compare --optimizer adam` as a user runs it, over a grid of small runs of both networks: the chapter's batch
+# (2,000 images, 2 epochs of the MLP and 1 of LeNet-5) and batch 256 (4,096 images, 2 epochs): 16 to 500 steps.
+ADAM_GRID = [
+    pytest.param("mlp", 2000, 2, None, id="mlp-2000x2"),
+    pytest.param("mlp", 4096, 2, 256, id="mlp-4096x2-b256"),
+    pytest.param("lenet", 2000, 1, None, marks=pytest.mark.lenet, id="lenet-2000x1"),
+    pytest.param("lenet", 4096, 2, 256, marks=pytest.mark.lenet, id="lenet-4096x2-b256"),
+]
+
+
+@pytest.mark.level3
+@pytest.mark.level8
+@pytest.mark.parametrize(("network", "n", "epochs", "batch"), ADAM_GRID)
+def test_make_compare_with_adam_passes_a_grid_of_small_runs(tmp_path, monkeypatch, network, n, epochs, batch):
+    """Levels 1, 3 and 8 on the CPU, each verified in lockstep at every step and by its free run, Adam's state with
+    them: every row passes, within its allowances."""
+    monkeypatch.setattr(compare, "gpu_available", lambda: False)  # the CPU's rows, on any machine
+    args = ["--model", network, "--levels", "1,3,8", "--optimizer", "adam", "--train-size", str(n), "--epochs",
+            str(epochs), *(["--batch", str(batch)] if batch else []), "--out", str(tmp_path), "--quiet"]
+    assert compare.main(args) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["table"]
+    assert [row["level"] for row in rows] == ["level1[cpu]", "level3[cpu]", "level8[cpu]"]
+    for row in rows[1:]:
+        assert row["ran"]["optimizer"] == "adam" and row["failure"] is None, row
+        assert row["lockstep_used"] <= 1 and row["free_run_used"] <= 1, row

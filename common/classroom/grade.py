@@ -109,7 +109,8 @@ def build(targets: tuple[str, ...], gpu: bool) -> str | None:
 
 class Recorder:
     """A pytest plugin: keeps the tests of the tasks to run, in task order, skips those of a task whose needs did
-    not pass, and records every outcome in the tasks' results."""
+    not pass and the rest of a task's once one has failed (its status is settled: a bug's grade costs the time to find
+    it, not the whole level's), and records every outcome in the tasks' results."""
 
     def __init__(self, results: dict[str, Result]):
         self.results = results
@@ -133,7 +134,10 @@ class Recorder:
     def pytest_runtest_setup(self, item):
         import pytest
 
-        needs = [self.results[n] for n in self.results[self.task_of[item.nodeid]].task.needs]
+        mine = self.results[self.task_of[item.nodeid]]
+        if failed := next((name for name, outcome, _ in mine.outcomes if outcome == "failed"), None):
+            pytest.skip(f"not run: {mine.task.id} already failed ({failed})")
+        needs = [self.results[n] for n in mine.task.needs]
         if failing := [r.task.id for r in needs if not passing(r) and not skipped(r)]:
             pytest.skip(f"blocked by {', '.join(failing)}")
         if waiting := [r for r in needs if skipped(r)]:
@@ -238,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--level", type=int, help="grade one level's tasks")
     p.add_argument("--task", help="grade one task, e.g. 4.2")
     p.add_argument("--json", default="grade.json", help="where to write the results (default grade.json)")
-    p.add_argument("-v", "--verbose", action="store_true", help="show pytest's report: each failing check and why")
+    p.add_argument("-v", "--verbose", action="store_true", help="show pytest's report: the failing check and why")
     p.add_argument("--require-gpu", action="store_true", help="fail GPU tasks that cannot run here")
     p.add_argument("--submission", type=Path,
                    help="grade this folder as a teacher does: a copy of the edition with a student's code in it, which "
