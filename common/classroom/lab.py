@@ -589,7 +589,7 @@ Write each function below between its `BEGIN LAB` and `END LAB` markers, in plac
 The comment or docstring above each function says what it computes, with the shapes; the chapter,
 `{lv.package}/chapter.ipynb`, explains the level. Take the tasks in this order, and check each one as you go:
 
-    make grade TASK={mine[0].id}           # one task; add ARGS=-v to see each check that fails, and why
+    make grade TASK={mine[0].id}           # one task; add ARGS=-v to see the check that fails, and why
     make grade LEVEL={number}             # the whole level: the table, and grade.json
 {gpu}
 The first `make grade` sets up `.venv` in this folder (PyTorch, NumPy, cffi, pytest, Jupyter from the package index:
