@@ -112,6 +112,15 @@ def twin(params):
     return LEVELS[0].load()(params, device="cpu", dtype="float64")
 
 
+@pytest.fixture
+def cpu_rows(monkeypatch):
+    """A table of the CPU's rows, whatever the machine: on one with a GPU, level 1 on CUDA and the peers would be rows
+    too, and the tests that use it read rows by their place."""
+    from common.harness import compare
+
+    monkeypatch.setattr(compare, "gpu_available", lambda: False)
+
+
 @pytest.fixture(scope="session")
 def mnist():
     """The training images (normalized, read-only) and labels, and the test set, as every level sees them."""

@@ -73,13 +73,6 @@ def test_every_trainable_level_is_reported_or_skipped_with_a_reason(tmp_path, ca
     assert (tmp_path / "loss_curves.png").stat().st_size > 0 and (tmp_path / "lockstep.png").stat().st_size > 0
 
 
-@pytest.fixture
-def cpu_rows(monkeypatch):
-    """A table of the CPU's rows, whatever the machine: on one with a GPU, level 1 on CUDA and the peers would be rows
-    too, and these tests read rows by their place."""
-    monkeypatch.setattr(compare, "gpu_available", lambda: False)
-
-
 def test_a_level_that_disagrees_fails_the_job(tmp_path, monkeypatch, capsys):
     cls = level(3).load()
     original = cls.train_epoch

@@ -345,7 +345,7 @@ def test_adam_in_lockstep_with_level1_on_real_digits(request, mnist, impl, netwo
 
 
 # `make compare --optimizer adam` as a user runs it, over a grid of small runs of both networks: the chapter's batch
-# (2,000 images, 2 epochs of the MLP and 1 of LeNet-5) and batch 256 (4,096 images, 2 epochs): 16 to 500 steps.
+# (2,000 images, 2 epochs of the MLP and 1 of LeNet-5) and batch 256 (4,096 images, 2 epochs): 32 to 500 steps.
 ADAM_GRID = [
     pytest.param("mlp", 2000, 2, None, id="mlp-2000x2"),
     pytest.param("mlp", 4096, 2, 256, id="mlp-4096x2-b256"),
@@ -357,10 +357,9 @@ ADAM_GRID = [
 @pytest.mark.level3
 @pytest.mark.level8
 @pytest.mark.parametrize(("network", "n", "epochs", "batch"), ADAM_GRID)
-def test_make_compare_with_adam_passes_a_grid_of_small_runs(tmp_path, monkeypatch, network, n, epochs, batch):
+def test_make_compare_with_adam_passes_a_grid_of_small_runs(tmp_path, cpu_rows, network, n, epochs, batch):
     """Levels 1, 3 and 8 on the CPU, each verified in lockstep at every step and by its free run, Adam's state with
     them: every row passes, within its allowances."""
-    monkeypatch.setattr(compare, "gpu_available", lambda: False)  # the CPU's rows, on any machine
     args = ["--model", network, "--levels", "1,3,8", "--optimizer", "adam", "--train-size", str(n), "--epochs",
             str(epochs), *(["--batch", str(batch)] if batch else []), "--out", str(tmp_path), "--quiet"]
     assert compare.main(args) == 0
