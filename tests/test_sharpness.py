@@ -11,8 +11,11 @@ larger reach for ties) fails these tests.
               3 reruns of level 1 with the rows of each batch permuted
     per layer: each layer's output and each gradient, from the level's own inputs, within 2x level 1's distance
               from float64 + 34u of its size; a ReLU or a pool exactly
-    Adam:     the float64 step from level 1's parameters and state: each parameter's update and each new moment (m,
-              v) by the update rule, `update` its change in the step; the step count exactly
+    Adam:     the float64 step from level 1's parameters and state, its update from the level's own m and v: each
+              parameter's update and each new moment (m, v) by the update rule, `update` its change in the step, and
+              for a moment + 32u (1 - beta1) ||S|| (m) or + 32u (1 - beta2) ||2 |g| S|| (v), S each gradient
+              element's sum of absolute terms (the backward pass with (p + onehot) / B for the logits' gradient and
+              the absolute values of the weights and activations); the step count exactly
     Adam's sign: an element whose new m is within R_m = 0.1 R + 4u (|m_before| + |g| + R) of 0 takes the level's side
               of 0, R its gradient's reach; for the MLP's fc2.bias R = the sum over the batch of gamma_B (|dz| + E_dz)
               + E_dz, then R + u (|g| + R), where E_dz = (p (1 - p)(e^(2 max E_z) - 1) + p (2 |z - max z| + 64) u
@@ -418,10 +421,11 @@ class NudgedAdam(AdamLevel1):
         after_params, after_state = self.inner.state_dict(), self.inner.optimizer_state()
         after = with_moments(after_params, after_state)
         expected = exact.take_reference(after, observed)
-        allowed = stated_allowance(after, expected, with_moments(params, state))[self.tensor]
+        allowed = stated_allowance(after, expected, with_moments(params, state))[self.tensor] + \
+            stated_moment_floors(self.network.name, params, X[order], y[order]).get(self.tensor, 0.0)
         name, key = self.tensor.rsplit(".", 1)
-        # a moment scaled, as a wrong beta would scale it (v stays >= 0, and where Adam takes a level's own m and v,
-        # its update from them barely moves); a parameter in a random direction
+        # a moment scaled, as a wrong beta would scale it (v stays >= 0), and the update made from it; a parameter in
+        # a random direction
         direction = expected[self.tensor] if key in MOMENTS else \
             np.random.default_rng(0).standard_normal(expected[self.tensor].shape)
         moved = expected[self.tensor] + self.share * allowed * direction / np.linalg.norm(direction)
@@ -429,9 +433,43 @@ class NudgedAdam(AdamLevel1):
         if key in MOMENTS:
             after_state[name][key] = moved
             self.inner.load_optimizer_state(after_state)
+            m, v, t = (np.asarray(after_state[name][k], dtype=np.float64) for k in (*MOMENTS, "step"))
+            stepped = params[name] - stated_adam_update(m, v, int(t), float(np.float32(lr)))
+            self.inner.load_state_dict({**after_params, name: stepped.astype(np.float32)})
         else:
             self.inner.load_state_dict({**after_params, self.tensor: moved})
         return losses
+
+
+def stated_moment_floors(network: str, params, x, y) -> dict[str, float]:
+    """What a moment's allowance adds to the update rule's, from its statement, by "fc1.weight.exp_avg"."""
+    layers = verify.MLP_REACH if network == "mlp" else verify_lenet.REACH
+    p = {k: torch.tensor(v, dtype=torch.float64, requires_grad=True) for k, v in params.items()}
+    ghost = {k: torch.zeros_like(v, requires_grad=True) for k, v in p.items()}  # their gradients will be S
+    a = torch.tensor(x, dtype=torch.float64)
+    a = a if network == "mlp" else a.reshape(-1, 1, lenet.IMAGE, lenet.IMAGE)
+    carried = torch.zeros_like(a)  # its value is 0; its gradient carries S back through |W| and the decisions
+    for name, kind in layers:
+        if kind in ("fc", "conv"):
+            op, w, b = F.linear if kind == "fc" else F.conv2d, p[f"{name}.weight"], p[f"{name}.bias"]
+            carried = op(a.detach().abs(), ghost[f"{name}.weight"], ghost[f"{name}.bias"]) + op(carried, w.detach().abs())
+            a = op(a, w, b)
+        elif kind == "relu":
+            carried, a = carried * (a > 0), torch.relu(a)
+        elif kind == "pool":
+            a, where = F.max_pool2d(a, 2, return_indices=True)
+            carried = carried.flatten(2).gather(2, where.flatten(2)).view_as(a)
+        else:
+            carried, a = carried.flatten(1), a.flatten(1)
+    labels = torch.tensor(y, dtype=torch.int64)
+    F.cross_entropy(a, labels).backward(retain_graph=True)
+    (carried * (torch.softmax(a.detach(), dim=1) + F.one_hot(labels, a.shape[1])) / len(a)).sum().backward()
+    out = {}
+    for name in p:
+        terms, g = ghost[name].grad.numpy(), p[name].grad.numpy()
+        out[f"{name}.exp_avg"] = 32 * U * 0.1 * np.linalg.norm(terms)
+        out[f"{name}.exp_avg_sq"] = 32 * U * 0.001 * np.linalg.norm(2 * np.abs(g) * terms)
+    return out
 
 
 ADAM_TENSORS = [pytest.param(network, name, id=f"{network}-{name}")
@@ -475,6 +513,11 @@ def stated_fc2_bias_reach(params, x, y) -> tuple[np.ndarray, np.ndarray]:
     return g.numpy(), (reach + U * (g.abs() + reach)).numpy()
 
 
+def stated_adam_update(m, v, t: int, lr: float):
+    """Adam's update from its new moments at step t, torch.optim.Adam's defaults, in float64."""
+    return lr / (1 - 0.9**t) * m / (np.sqrt(v) / np.sqrt(1 - 0.999**t) + 1e-8)
+
+
 class OtherSide(AdamLevel1):
     """Level 1 with Adam, but at one element of one tensor it puts the new m on the other side of 0 (a quarter of
     its size), its v and its update as Adam makes them from that m (torch.optim.Adam's defaults, in float64)."""
@@ -492,9 +535,8 @@ class OtherSide(AdamLevel1):
         m = -float(saved["exp_avg"][i]) / 4
         g = (m - 0.9 * m_before) / 0.1
         v = 0.999 * v_before + 0.001 * g * g
-        update = float(np.float32(lr)) / (1 - 0.9**t) * m / (np.sqrt(v) / np.sqrt(1 - 0.999**t) + 1e-8)
         saved["exp_avg"][i], saved["exp_avg_sq"][i] = m, v
-        params[self.tensor][i] = float(before[self.tensor][i]) - update
+        params[self.tensor][i] = float(before[self.tensor][i]) - stated_adam_update(m, v, t, float(np.float32(lr)))
         self.inner.load_state_dict(params)
         self.inner.load_optimizer_state(after)
         return losses

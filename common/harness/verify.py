@@ -246,7 +246,11 @@ class MlpStep:
 # torch.optim.Adam's step in exact arithmetic:
 #     m = m + (1 - beta1)(g - m)    v = beta2 v + (1 - beta2) g^2    p = p - lr / bc1 m / (sqrt(v) / sqrt(bc2) + eps)
 # (bc1 = 1 - beta1^t, bc2 = 1 - beta2^t at step t). Lockstep then checks the parameters AND the new m and v (exp_avg,
-# exp_avg_sq), tensor by tensor, by the rule above; the step count exactly, as an integer.
+# exp_avg_sq), tensor by tensor, by the rule above; the step count exactly, as an integer. A moment's floor counts, beside
+# its change in the step, what the rounding of its gradient may move it: FLOOR u (1 - beta1) ||S|| for m and
+# FLOOR u (1 - beta2) ||2 |g| S|| for v, S each gradient element's sum of absolute terms (gradient_reach). Where softmax
+# is confident, p - 1 cancels, and a float32 gradient element is routinely u S off (level 3's fc2.bias at step 4,302 of
+# the chapter's run: 1.1 u S), far beyond u |g|; level 1's own error, the yardstick, can be 3x smaller by chance.
 #
 # Sign ties. At the first step m = (1 - beta1) g and v = (1 - beta2) g^2, so the update is lr g / (|g| + eps): about
 # lr sign(g), however small g is. Where a gradient element is within float32's reach of 0, two correct float32 levels
@@ -259,13 +263,17 @@ class MlpStep:
 #        the float64 one, carried through the layers forward and back (gradient_reach, below);
 #   R_m  = (1 - beta1) R + 4u (|m_before| + |g| + R), R_v = (1 - beta2)(2 |g| R + R^2) + 4u (beta2 v_before +
 #        (1 - beta2)(|g| + R)^2): the reach on the new m and v (their own roundings too);
-#   a candidate: an element whose new m in float64 is within R_m of 0. There, if the level's new m and v are within
-#   R_m and R_v of the float64 ones, the float64 step takes the level's side of 0: its update is Adam's formula applied,
-#   in float64, to the level's own m and v (and so, where Adam divides tiny by tiny, their size too); where the level's
-#   m is on the other side of 0, its m and v are taken as well. Elsewhere, candidates included, the moments are checked
-#   against the float64 step by the rule above. Level 1's side first (the float64 step follows level 1), then the
-#   level's; each element whose m the level put on another side of 0 than level 1 did is reported as a tie, with its
-#   tensor and index. Nothing is taken anywhere else: a difference there fails the rule above.
+#   the float64 step's update is Adam's formula applied, in float64, to the level's own new m and v: the moments are
+#   checked against the float64 step by the rule above, and the update as what Adam makes of them. Where both moments
+#   are small (an element with no history and a gradient near R, as a unit of LeNet-5's fc1 that has just woken up),
+#   Adam's division turns the gradient's rounding into an update error far past the floor; taken so, each error is
+#   checked where it arises, and a wrong gradient shows in the moments;
+#   a candidate: an element whose new m in float64 is within R_m of 0. Where the level's m and v are within R_m and R_v
+#   of the float64 ones and its m is on the other side of 0 (which only a candidate's can be), they are taken as the
+#   new moments as well: the float64 step takes the level's side of 0.
+#   Level 1's side first (the float64 step follows level 1), then the level's; each element whose m the level put on
+#   another side of 0 than level 1 did is reported as a tie, with its tensor and index. Nothing is taken anywhere else:
+#   a difference there fails the rule above.
 # The reach, carried as common/harness/verify_lenet.py carries a pre-activation's (gradient_reach):
 #   forward, each layer: E_out = gamma_n (|W| (|a| + E_in) + |b|) + |W| E_in, n the terms of each sum; a ReLU passes
 #       E where its input may be positive (h > -E), a 2 x 2 max-pool the largest E of its window;
@@ -278,6 +286,8 @@ class MlpStep:
 #       R = sum gamma_n D + E_out (n: the terms of the sum); a ReLU passes E back where it may pass, a max-pool to every
 #       element that may be its window's maximum (a_i + E_i >= a_j - E_j for all j);
 #   and R + u (|g| + R) in the end (a level may divide by B last).
+# S is carried back the same way with absolute values alone: (p + onehot) / B for the logits' gradient, |W| and |a|
+# for each layer, along exact arithmetic's decisions.
 # R is a worst case, as the ReLU rule's reach is: the levels' actual gradient errors are 1e4 to 1e5 times smaller
 # (tests/test_optimizers.py checks that R bounds them), and for LeNet-5's convolutions R exceeds the gradient itself
 # (each layer a worst case, each layer's worst case carried through the next). It only says where a side may be taken.
@@ -295,12 +305,12 @@ class AdamRule:
                                          for k, p in self.start.items()} for key in ("exp_avg", "exp_avg_sq"))
         self.t = (next(iter(state.values()))["step"] if state else 0) + 1
         self.lr, (self.beta1, self.beta2), self.eps = lr, optimizer.hyper["betas"], optimizer.hyper["eps"]
-        self._reach, self._reached = reach, None  # () -> R by tensor, computed when first needed
+        self._reach, self._reached = reach, None  # () -> (R, S) by tensor (gradient_reach), computed when first needed
         self.reference_m: dict[str, np.ndarray] = {}  # level 1's new m
 
     def step(self, grads: dict[str, np.ndarray], taken: dict | None = None) -> dict[str, np.ndarray]:
         """The parameters after the step, and the new moments as "name.exp_avg", "name.exp_avg_sq"; taken: by tensor,
-        a level's side of 0 (candidates())."""
+        a level's own moments, for its update, and its side of 0 (candidates())."""
         bc1, bc2 = 1 - self.beta1**self.t, 1 - self.beta2**self.t
         out = {}
         for name, g in grads.items():
@@ -309,7 +319,7 @@ class AdamRule:
             m_step, v_step = m, v
             if taken:
                 side = taken[name]
-                m_step, v_step = np.where(side.update, side.m, m), np.where(side.update, side.v, v)
+                m_step, v_step = side.m, np.maximum(side.v, 0)  # a v below 0 fails the rule above, not as NaN here
                 m, v = np.where(side.other, side.m, m), np.where(side.other, side.v, v)
             out[name] = self.start[name] - self.lr / bc1 * m_step / (np.sqrt(v_step) / np.sqrt(bc2) + self.eps)
             out[f"{name}.exp_avg"], out[f"{name}.exp_avg_sq"] = m, v
@@ -317,6 +327,18 @@ class AdamRule:
 
     def reach(self) -> dict[str, np.ndarray]:
         """R, float32's reach on each gradient element (gradient_reach), once per step."""
+        return self._bounds()[0]
+
+    def moment_floor(self, grads: dict[str, np.ndarray]) -> dict[str, float]:
+        """By moment ("fc1.weight.exp_avg"), what the rounding of its gradient may move it, on the scale of the update
+        rule's floor (u ||..||): (1 - beta1) ||S|| for m, (1 - beta2) ||2 |g| S|| for v, S each gradient element's sum
+        of absolute terms (gradient_reach)."""
+        terms = self._bounds()[1]
+        return {k: v for name, g in grads.items() for k, v in (
+            (f"{name}.exp_avg", (1 - self.beta1) * _norm(terms[name])),
+            (f"{name}.exp_avg_sq", (1 - self.beta2) * _norm(2 * np.abs(g) * terms[name])))}
+
+    def _bounds(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         if self._reached is None:
             self._reached = self._reach()
         return self._reached
@@ -332,32 +354,32 @@ class AdamRule:
             reach_v = (1 - self.beta2) * (2 * np.abs(g) * reach + reach**2) + \
                 4 * U * (self.beta2 * v_before + (1 - self.beta2) * (np.abs(g) + reach) ** 2)
             mine_m, mine_v = (np.asarray(got[f"{name}.{key}"], dtype=np.float64) for key in ("exp_avg", "exp_avg_sq"))
-            update = (np.abs(m) <= reach_m) & (np.abs(mine_m - m) <= reach_m) & (np.abs(mine_v - v) <= reach_v)
-            taken[name] = Side(update, update & (np.sign(mine_m) != np.sign(m)), mine_m, mine_v, m, reach_m)
+            close = (np.abs(mine_m - m) <= reach_m) & (np.abs(mine_v - v) <= reach_v)
+            taken[name] = Side(close, close & (np.sign(mine_m) != np.sign(m)), mine_m, mine_v, m, reach_m)
         return taken
 
     def take_reference(self, grads: dict[str, np.ndarray], after: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The float64 step taking level 1's own moments at the candidates (its state after the step: `after`)."""
+        """The float64 step taking level 1's own moments (its state after the step: `after`)."""
         self.reference_m = {name: after[f"{name}.exp_avg"] for name in grads}
         return self.step(grads, self.candidates(grads, after))
 
     def follow(self, grads: dict[str, np.ndarray], got: dict[str, np.ndarray], k: int):
-        """(the float64 step taking the level's own moments at the candidates, the sign ties: the candidates whose m
-        the level put on another side of 0 than level 1 did)."""
+        """(the float64 step taking the level's own moments, the sign ties: the elements whose m the level put, within
+        reach, on another side of 0 than level 1 did)."""
         taken = self.candidates(grads, got)
         ties = []
         for name, side in taken.items():
-            other = side.update & (np.sign(side.m) != np.sign(self.reference_m[name]))
+            other = side.close & (np.sign(side.m) != np.sign(self.reference_m[name]))
             ties += [SignTie(k, name, tuple(int(i) for i in index), float(side.exact[index]), float(side.reach[index]))
                      for index in zip(*np.nonzero(other))]
         return self.step(grads, taken), ties
 
 
 class Side(NamedTuple):
-    """What the float64 step takes of a level's step in one tensor, at Adam's candidates (the rule above)."""
+    """What the float64 step takes of a level's step in one tensor (the rule above)."""
 
-    update: np.ndarray  # where its update is taken from the level's own m and v: the candidates where they are in reach
-    other: np.ndarray  # where its m and v are taken too: those where the level's m is on the other side of 0
+    close: np.ndarray  # where the level's m and v are within R_m and R_v of the float64 step's
+    other: np.ndarray  # where they are taken as the new moments: those where the level's m is on the other side of 0
     m: np.ndarray  # the level's new m, float64
     v: np.ndarray  # ... and v
     exact: np.ndarray  # the float64 step's m
@@ -386,11 +408,12 @@ LINEAR = {"fc": F.linear, "conv": F.conv2d}
 
 
 def gradient_reach(layers: tuple[tuple[str, str], ...], params: dict[str, np.ndarray], x: np.ndarray,
-                   y: np.ndarray) -> dict[str, np.ndarray]:
-    """R, float32's reach on every gradient element of a step (the statement above), by parameter name. The network is
-    its layers in the forward order, (name, kind): "fc" or "conv" (its parameters name.weight and name.bias), "relu",
-    "pool" (2 x 2) or "flatten"; x is the batch as its first layer reads it. Decisions are exact arithmetic's, the
-    ReLUs and pools passing bounds wherever float32 may decide otherwise."""
+                   y: np.ndarray) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(R, float32's reach on every gradient element of a step (the statement above); S, the sum of the absolute values
+    of the terms that make each gradient element), by parameter name. The network is its layers in the forward order,
+    (name, kind): "fc" or "conv" (its parameters name.weight and name.bias), "relu", "pool" (2 x 2) or "flatten"; x is
+    the batch as its first layer reads it. Decisions are exact arithmetic's, the ReLUs and pools passing bounds
+    wherever float32 may decide otherwise (S follows exact arithmetic's decisions alone)."""
     p = {k: torch.tensor(np.asarray(v, dtype=np.float64), requires_grad=True) for k, v in params.items()}
     a = torch.tensor(np.asarray(x, dtype=np.float64))
     bound = torch.zeros_like(a)
@@ -407,11 +430,11 @@ def gradient_reach(layers: tuple[tuple[str, str], ...], params: dict[str, np.nda
             bound = next_bound
         elif kind == "relu":
             may_pass = value > -bound
-            kept.append((name, kind, may_pass))
+            kept.append((name, kind, (may_pass, value > 0)))
             a, bound = torch.relu(a), bound * may_pass
         elif kind == "pool":
             may_win = value + bound >= _spread(F.max_pool2d(value - bound, 2))
-            kept.append((name, kind, may_win))
+            kept.append((name, kind, (may_win, _winners(value))))
             a, bound = F.max_pool2d(a, 2), F.max_pool2d(bound, 2)
         else:  # flatten
             kept.append((name, kind, a.shape))
@@ -423,26 +446,37 @@ def gradient_reach(layers: tuple[tuple[str, str], ...], params: dict[str, np.nda
     carried = probs * (1 - probs) * torch.expm1(2 * bound.max(dim=1, keepdim=True).values)  # the logits' bounds
     dp = carried + probs * (2 * shift.abs() + 64) * U  # and the softmax's own rounding
     bound = (dp + 3 * U * (probs + onehot)) / len(z)
-    reach = {}
+    absolute = (probs + onehot) / len(z)  # S of the logits' gradient: the absolute values of p and -onehot, over B
+    reach, terms = {}, {}
     for name, kind, saved in reversed(kept):
         if kind in LINEAR:
             value, bound_in, out = saved
             w, op = p[f"{name}.weight"], LINEAR[kind]
-            terms = out.numel() // out.shape[1]  # of each weight-gradient sum: a term per image (and position)
+            n = out.numel() // out.shape[1]  # of each weight-gradient sum: a term per image (and position)
             sums = [0, *range(2, out.ndim)]
             gradient = out.grad.abs() + bound  # D
-            weight_terms, input_terms = _vjp(op, gamma(terms) * (value.abs() + bound_in) + bound_in, w.abs(), gradient)
+            weight_terms, input_terms = _vjp(op, gamma(n) * (value.abs() + bound_in) + bound_in, w.abs(), gradient)
             weight_carried, input_carried = _vjp(op, value.abs(), w.abs(), bound)
             reach[f"{name}.weight"] = weight_terms + weight_carried
-            reach[f"{name}.bias"] = gamma(terms) * gradient.sum(sums) + bound.sum(sums)
+            reach[f"{name}.bias"] = gamma(n) * gradient.sum(sums) + bound.sum(sums)
             bound = gamma(w.shape[0] * w[0, 0].numel()) * input_terms + input_carried  # f: out features, or F k k
+            terms[f"{name}.weight"], absolute_in = _vjp(op, value.abs(), w.abs(), absolute)
+            terms[f"{name}.bias"], absolute = absolute.sum(sums), absolute_in
         elif kind == "relu":
-            bound = bound * saved
+            bound, absolute = bound * saved[0], absolute * saved[1]
         elif kind == "pool":
-            bound = _spread(bound) * saved
+            bound, absolute = _spread(bound) * saved[0], _spread(absolute) * saved[1]
         else:
-            bound = bound.reshape(saved)
-    return {k: (r + U * (p[k].grad.abs() + r)).numpy() for k, r in reach.items()}
+            bound, absolute = bound.reshape(saved), absolute.reshape(saved)
+    return ({k: (r + U * (p[k].grad.abs() + r)).numpy() for k, r in reach.items()},
+            {k: s.numpy() for k, s in terms.items()})
+
+
+def _winners(a: torch.Tensor) -> torch.Tensor:
+    """1 at the element each 2 x 2 pool window passes on, 0 elsewhere: one per window, where equal values tie (a flat
+    patch of background makes a convolution's outputs equal) as in PyTorch's pool."""
+    where = F.max_pool2d(a, 2, return_indices=True)[1].flatten(2)
+    return torch.zeros_like(a).flatten(2).scatter_(2, where, 1.0).view_as(a)
 
 
 def _spread(a: torch.Tensor) -> torch.Tensor:
@@ -567,7 +601,10 @@ class Lockstep:
         names, before = self.names, {**params, **self._moments(state or {}, params)}
         own = {n: _norm(after[n] - expected[n]) for n in names}  # level 1's own distance
         size = {n: _norm(after[n] - before[n]) for n in names}
-        allowed = {n: YARDSTICK * own[n] + 2 * U * _norm(expected[n]) + FLOOR * U * size[n] for n in names}
+        floor = dict(size)
+        if exact.adam:  # a moment's floor also counts what its gradient's rounding may move it
+            floor.update({n: size[n] + moved for n, moved in exact.adam.moment_floor(exact.grads).items()})
+        allowed = {n: YARDSTICK * own[n] + 2 * U * _norm(expected[n]) + FLOOR * U * floor[n] for n in names}
         return Step(k, batch, names, before, after, loss, exact, expected, own, size, allowed, params, state, steps)
 
     def _level_step(self, label: str, model, step: Step) -> None:
