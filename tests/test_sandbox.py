@@ -370,7 +370,9 @@ def test_the_gradebook_refuses_to_run_without_bubblewrap_unless_trusted(tmp_path
     student = tmp_path / "subs" / "mine"
     (student / "level3_numpy").mkdir(parents=True)
     shutil.copy(ROOT / "level3_numpy" / "mlp.py", student / "level3_numpy" / "mlp.py")
-    env = {**os.environ, "PATH": str(tmp_path / "bin"), "PYTHONPATH": str(ROOT)}
+    # the course's packages as this test finds them (on a machine whose packages live on PYTHONPATH, there too)
+    env = {**os.environ, "PATH": str(tmp_path / "bin"),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     command = [sys.executable, "-m", "common.classroom.gradebook", str(tmp_path / "subs"), "--out", str(tmp_path / "book"),
                "--level", "3"]
     refused = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
