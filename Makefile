@@ -196,15 +196,16 @@ infer: $(ENV) levels
 test: $(ENV) levels $(LAB_LIBS)
 	$(PYTHON) -m pytest $(ARGS)
 
-# On the GPU machine: its own python3 (PyTorch with CUDA), no virtual environment, no network
-# (so not the tests that fetch from PyPI); GPU tests may not skip there. With pytest-xdist, a worker per core (the
-# chapter's runs on one: they share level 1's), each with BLAS and OpenMP on one thread: several workers' thread
-# pools, spinning while they wait, would only fight over the cores. It ends with where the time went.
+# On the GPU machine: the tests that run on the GPU (marked gpu; `make test` runs every other one), none of them
+# skipped, with its own python3 (PyTorch with CUDA), no virtual environment, no network (so not the tests that fetch
+# from PyPI). With pytest-xdist, a worker per core (the chapter's lockstep on one, its free runs on another), each
+# with BLAS and OpenMP on one thread: several workers' thread pools, spinning while they wait, would only fight over
+# the cores. It ends with where the time went.
 XDIST = $(shell python3 -c 'import xdist' 2>/dev/null && printf '%s' '-n auto --dist loadgroup')
 ONE_THREAD := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 test-gpu:
 	$(MAKE) -j8 levels $(LAB_LIBS) PYTHON=python3
-	$(ONE_THREAD) python3 -m pytest --require-gpu -m "not pypi" $(XDIST) --durations=25 $(ARGS)
+	$(ONE_THREAD) python3 -m pytest --require-gpu -m "gpu and not pypi" $(XDIST) --durations=25 $(ARGS)
 
 # The level-4 library driven from C under valgrind (leaks, invalid reads and writes) and under ASan + UBSan.
 check-memory: level4

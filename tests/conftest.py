@@ -37,6 +37,20 @@ def pytest_configure(config):
         config.addinivalue_line("markers", f"{lv.name}: level {lv.number}, {lv.title}")
 
 
+# The slowest tests on a GPU machine (half a minute to minutes each), slowest kinds first. pytest-xdist hands tests to
+# its workers in the order they are collected: started first, these end beside the short ones, not after them all.
+SLOWEST_FIRST = ("test_chapter_run_in_lockstep_with_level1", "test_kernels_are_clean_under_compute_sanitizer",
+                 "test_a_planted_bug_fails_exactly_its_task", "test_gpu_kernels_are_clean_under_compute_sanitizer",
+                 "test_this_repository_passes_every_task_it_can_run", "test_chapter_free_run_agrees_within_float32_noise")
+
+
+def pytest_collection_modifyitems(config, items):
+    """In a pytest-xdist worker (each collects the same list, in the same order), the slowest tests first."""
+    if hasattr(config, "workerinput"):
+        rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+        items.sort(key=lambda item: rank.get(getattr(item, "originalname", ""), len(rank)))  # a stable sort: the rest keep their order
+
+
 def pytest_addoption(parser):
     parser.addoption(
         "--require-gpu",
@@ -56,9 +70,13 @@ def implementation_params(pairs=IMPLEMENTATIONS, graded: bool = False):
         marks = [getattr(pytest.mark, lv.name)] + ([pytest.mark.gpu] if device == "cuda" else [])
         if graded and options == THE_MLP.variants(lv.number)[0] and (row := lab.level_row(lv.number)):
             marks.append(pytest.mark.task(row.id))
-        name = "-".join([lv.name, device, *options.values()])
-        params.append(pytest.param((lv, device, options), marks=marks, id=name))
+        params.append(pytest.param((lv, device, options), marks=marks, id=variant_id(lv, device, options)))
     return params
+
+
+def variant_id(lv: Level, device: str, options: dict[str, str]) -> str:
+    """A test's id for one variant of a level: "level5-cuda-tiled"."""
+    return "-".join([lv.name, device, *options.values()])
 
 
 def graded(level: int, name: str):

@@ -34,6 +34,7 @@ from conftest import (
     sanitize,
     train,
     twin,
+    variant_id,
 )
 
 # Against level 1's own runs: every implementation but level 1 on the CPU itself, in each of its variants.
@@ -92,13 +93,15 @@ def chapter_reference(mnist):
 
 
 @pytest.fixture(scope="module")
-def chapter_lockstep(mnist):
-    """Every implementation this machine runs, in lockstep with level 1 over the chapter's steps, all at once, the
-    steps split over processes (common/harness/parallel.py): level 1 and the float64 step once for them all. Each
-    test reads its record by its id."""
+def chapter_lockstep(mnist, request):
+    """Every implementation this session tests (`-m gpu`: the GPU's alone), in lockstep with level 1 over the
+    chapter's steps, all at once, the steps split over processes (common/harness/parallel.py): level 1 and the float64
+    step once for them all. Each test reads its record by its id."""
+    selected = {item.callspec.id for item in request.session.items
+                if item.originalname == test_chapter_run_in_lockstep_with_level1.__name__}
     runnable = [(lv, device, options) for lv, device, options in each_variant(IMPLEMENTATIONS)
-                if not missing(lv, device)]
-    factories = {"-".join([lv.name, device, *options.values()]): compare.factory(lv, device, THE_MLP, **options)
+                if not missing(lv, device) and variant_id(lv, device, options) in selected]
+    factories = {variant_id(lv, device, options): compare.factory(lv, device, THE_MLP, **options)
                  for lv, device, options in runnable}
     orders = [epoch_order(len(mnist[0][:CHAPTER_IMAGES]), e, 0, False) for e in range(CHAPTER["epochs"])]
     records, diverged, _ = parallel.lockstep(factories, init_params(0), compare.TrainingData(CHAPTER_IMAGES, False),
@@ -108,12 +111,13 @@ def chapter_lockstep(mnist):
     return records, sum(-(-len(o) // CHAPTER["batch"]) for o in orders)
 
 
-# The chapter's runs share level 1's: with pytest-xdist (make test-gpu), one worker runs them all.
-chapter_group = pytest.mark.xdist_group("chapter")
+# With pytest-xdist (make test-gpu), one worker runs every lockstep (they share one fixture) and one every free run
+# (they share level 1's): two workers, side by side, each computing what its runs share once.
+lockstep_group, free_run_group = pytest.mark.xdist_group("chapter-lockstep"), pytest.mark.xdist_group("chapter-free-run")
 
 
 @chapter_against_level1
-@chapter_group
+@lockstep_group
 def test_chapter_run_in_lockstep_with_level1(impl, factory, mnist, request):
     """Every one of the chapter's 12,500 steps, from level 1's parameters: its loss and each tensor's update."""
     if sandbox.submission():  # a submission's models are made by its sandboxed worker: in this process
@@ -128,7 +132,7 @@ def test_chapter_run_in_lockstep_with_level1(impl, factory, mnist, request):
 
 
 @chapter_against_level1
-@chapter_group
+@free_run_group
 def test_chapter_free_run_agrees_within_float32_noise(factory, mnist, chapter_reference):
     X, y, X_test, y_test = mnist[0][:CHAPTER_IMAGES], mnist[1][:CHAPTER_IMAGES], mnist[2], mnist[3]
     run = free_run(factory(init_params(0)), X, y, X_test, y_test, **CHAPTER)
@@ -331,12 +335,13 @@ def test_level7_exchange_holds_when_blocks_run_apart(factory, mnist, monkeypatch
     in_lockstep(stressed, params, X[:400], y[:400], 1, batch, lr=0.05)
 
 
-# What the sanitizer runs below drive: partial batches (200 = 15 x 13 + 5, 20 = 2 x 8 + 4, 72 = 64 + 8, and batch 1),
+# What the sanitizer runs below drive: partial batches (31 = 2 x 13 + 5, 20 = 2 x 8 + 4, 72 = 64 + 8, and batch 1),
 # a forward pass across FORWARD_CHUNK (1,030 = 1,024 + 6 rows) at the narrow layers, odd hidden sizes: wherever a
 # kernel's bounds check matters. The chapter's layer (hidden 256, batch 8) and the wide one (hidden 1024, batch 64:
-# level 7's grid, streaming its rows) take a step and a half and a short forward. Each is a test of its own: under
-# racecheck, which pays for every shared-memory access, one takes a minute, and tests run side by side.
-SANITIZER_RUNS = {"h37-b13": (37, 13, 200, 1030), "h1-b1": (1, 1, 200, 1030), "h256-b8": (256, 8, 20, 70),
+# level 7's grid, streaming its rows) take a step and a half and a short forward. A run takes three steps at most: a
+# later step would launch the same kernels at the same shapes as one of them, and the sanitizer pays for every launch
+# (racecheck for every shared-memory access). Each run is a test of its own, and tests run side by side.
+SANITIZER_RUNS = {"h37-b13": (37, 13, 31, 1030), "h1-b1": (1, 1, 3, 1030), "h256-b8": (256, 8, 20, 70),
                   "h1024-b64": (1024, 64, 72, 70)}  # (hidden, batch, rows trained, rows forward)
 MEMCHECK_SCRIPT = """
 import numpy as np, {package}
