@@ -48,7 +48,8 @@ def pytest_collection_modifyitems(config, items):
     """In a pytest-xdist worker (each collects the same list, in the same order), the slowest tests first."""
     if hasattr(config, "workerinput"):
         rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
-        items.sort(key=lambda item: rank.get(getattr(item, "originalname", ""), len(rank)))  # a stable sort: the rest keep their order
+        # A stable sort: the rest keep their order.
+        items.sort(key=lambda item: rank.get(getattr(item, "originalname", ""), len(rank)))
 
 
 def pytest_addoption(parser):

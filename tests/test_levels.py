@@ -113,7 +113,8 @@ def chapter_lockstep(mnist, request):
 
 # With pytest-xdist (make test-gpu), one worker runs every lockstep (they share one fixture) and one every free run
 # (they share level 1's): two workers, side by side, each computing what its runs share once.
-lockstep_group, free_run_group = pytest.mark.xdist_group("chapter-lockstep"), pytest.mark.xdist_group("chapter-free-run")
+lockstep_group = pytest.mark.xdist_group("chapter-lockstep")
+free_run_group = pytest.mark.xdist_group("chapter-free-run")
 
 
 @chapter_against_level1
