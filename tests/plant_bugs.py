@@ -208,8 +208,8 @@ def scratch_copy() -> Path:
     built libraries and their times: make then rebuilds only what depends on the file a bug is planted in (written
     after them), not every library from the start."""
     target = Path(tempfile.mkdtemp(prefix="plant-")) / "repo"
-    outputs = shutil.ignore_patterns(".venv", ".git", "data", "results", "lab", "grade.json")
-    shutil.copytree(ROOT, target, ignore=outputs)
+    left_out = shutil.ignore_patterns(".venv", ".git", "data", "results", "lab", "grade.json")
+    shutil.copytree(ROOT, target, ignore=left_out)
     if (ROOT / "data").exists():
         (target / "data").symlink_to(ROOT / "data")
     return target

@@ -15,6 +15,7 @@ from common.harness.data import load_mnist
 from common.levels import LEVELS, ROOT, gpu_tag, level, missing
 from common.nets import get
 from common.nets.mlp import PARAM_NAMES, init_params, param_shapes
+from conftest import SLOWEST_FIRST
 
 pytestmark = pytest.mark.harness
 
@@ -466,3 +467,10 @@ def test_the_roofline_puts_each_gpu_levels_step_under_the_measured_roof():
     assert "Level 7 keeps its weights on chip" in caption(roofline.roofline(ceilings, runs))
     assert "Level 7" not in caption(roofline.roofline(ceilings, runs, kernels, rows={"level5[cuda]",
                                                                                      "level5[cuda, tiled]"}))
+
+
+def test_the_slowest_first_are_tests_that_exist():
+    """conftest's SLOWEST_FIRST names test functions by name: one renamed would silently lose its place at the front."""
+    defined = {name for path in (ROOT / "tests").glob("test_*.py")
+               for name in re.findall(r"^def (test_\w+)\(", path.read_text(), re.MULTILINE)}
+    assert set(SLOWEST_FIRST) <= defined, sorted(set(SLOWEST_FIRST) - defined)
