@@ -272,8 +272,8 @@ class MlpStep:
 #   of the float64 ones and its m is on the other side of 0 (which only a candidate's can be), they are taken as the
 #   new moments as well: the float64 step takes the level's side of 0.
 #   Level 1's side first (the float64 step follows level 1), then the level's; each element whose m the level put on
-#   another side of 0 than level 1 did is reported as a tie, with its tensor and index. Nothing is taken anywhere else:
-#   a difference there fails the rule above.
+#   another side of 0 than level 1 did is reported as a tie, with its tensor and index. No other element's moments are
+#   taken: there the float64 step keeps its own m and v, and a difference fails the rule above.
 # The reach, carried as common/harness/verify_lenet.py carries a pre-activation's (gradient_reach):
 #   forward, each layer: E_out = gamma_n (|W| (|a| + E_in) + |b|) + |W| E_in, n the terms of each sum; a ReLU passes
 #       E where its input may be positive (h > -E), a 2 x 2 max-pool the largest E of its window;
