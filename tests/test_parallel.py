@@ -216,17 +216,30 @@ def test_a_compilation_cache_the_user_set_up_is_left_as_it_is(monkeypatch, tmp_p
 
 
 def test_a_later_round_times_the_first_epochs_and_the_results_say_so(tmp_path):
-    """The first round is the whole run (the one verified); a later one times LATER_ROUND_EPOCHS epochs, and the
-    timing rule, read from results.json, says so."""
+    """The first round is the whole run (the one verified); a later one times its first epochs, as many as last
+    LATER_ROUND_SECONDS (these short ones: LATER_ROUND_EPOCHS), and the timing rule, read from results.json, says so."""
     assert compare.main(["--levels", "1,3", "--epochs", "4", "--train-size", "400", "--rounds", "2", "--jobs", "1",
                          "--out", str(tmp_path), "--quiet"]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["settings"]["later_round_epochs"] == compare.LATER_ROUND_EPOCHS < 4
+    assert results["settings"]["later_round_seconds"] == compare.LATER_ROUND_SECONDS
     assert all(len(run["epoch_seconds"]) == 4 for run in results["runs"])  # the verified run: every epoch
-    assert (f"each later one the same warm model from the initial weights, its first {compare.LATER_ROUND_EPOCHS} "
-            "epochs" in compare.timing_rule(results["settings"]))
+    assert [row["later_round_epochs"] for row in results["table"]] == [compare.LATER_ROUND_EPOCHS] * 2
+    rule = compare.timing_rule(results["settings"])
+    assert (f"each later one the same warm model from the initial weights, its first epochs: as many as last "
+            f"{compare.LATER_ROUND_SECONDS:g} s at the first round's pace, at most {compare.LATER_ROUND_EPOCHS})"
+            in rule)
+    old = compare.timing_rule({k: v for k, v in results["settings"].items() if k != "later_round_seconds"})
+    assert f"its first {compare.LATER_ROUND_EPOCHS} epochs" in old  # results timed before the seconds' rule
     before = compare.timing_rule({"rounds": 3})  # results timed before: every round whole, on a new model
     assert "its first" not in before and "a new model, warmed up" in before
+
+
+@pytest.mark.parametrize("first_round_s, epochs, timed", [(0.05, 10, 3), (0.4, 10, 3), (0.5, 10, 2), (2.0, 10, 1),
+                                                          (0.05, 2, 2), (0.0, 10, 3)])
+def test_a_later_round_times_epochs_that_last_a_second_at_most_three(first_round_s, epochs, timed):
+    run = compare.Run("level3[cpu]", 3, "cpu", None, rounds=[first_round_s])
+    assert compare.later_round_epochs(run, epochs) == timed
 
 
 def test_a_row_is_made_and_warmed_up_once_and_every_round_starts_from_the_initial_weights(tmp_path, monkeypatch):

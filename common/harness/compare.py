@@ -51,9 +51,12 @@ WARM_UP = "one untimed epoch first (then the initial weights back), then each ep
 # its slowest round at most this many times its fastest (each round's median epoch). A row past it is flagged
 # "unsteady" and its time and ratios are not published: one disturbed run must not set a number.
 STEADY_RATIO = 1.2
-# A later round times the run's first epochs again, at most this many: the spread needs each round's median epoch,
-# not a whole run (the first round's run, the one verified and plotted, is whole).
+# A later round times the run's first epochs again: the spread needs each round's median epoch, not a whole run (the
+# first round's run, the one verified and plotted, is whole). As many as last LATER_ROUND_SECONDS at the first round's
+# pace, at most LATER_ROUND_EPOCHS: a long epoch (PyTorch eager's 1,250 steps at batch 8, 2 s on an H200) is timed once
+# a round, a short one (20 steps of LeNet-5 at batch 256) three times, its median steadier than any one of them.
 LATER_ROUND_EPOCHS = 3
+LATER_ROUND_SECONDS = 1.0
 PROGRESS = "progress.jsonl"  # the rounds timed so far, a line after each row's round, for --resume
 PARALLEL_FROM = 20_000  # level-steps (a level's step checked in lockstep) from which the lockstep runs in processes
 # PyTorch's threads on the CPU wait for each other by spinning: on a small step they wait more than they work, and
@@ -210,8 +213,8 @@ def train(model, run: Run, params, X, y, X_test, y_test, orders, args, quiet: bo
     handles, the upload, graph captures and compilation (torch.compile's, XLA's) are done before the clock starts and
     every timed epoch is a warm one. Every timed run starts from the initial parameters (and Adam's state forgotten),
     as the lockstep's does. The first call for a run keeps its losses and predictions (the run that is verified); a
-    later call, a later round on the same warm model, adds its time only, over the run's first LATER_ROUND_EPOCHS
-    epochs. An untimed run (an honest run) needs no warm-up."""
+    later call, a later round on the same warm model, adds its time only, over the run's first later_round_epochs. An
+    untimed run (an honest run) needs no warm-up."""
     with threads_of(run):  # level 1 on the CPU: on the threads its row asks for (ONE_THREAD_BELOW)
         first = not run.rounds
         if warm_up:
@@ -223,8 +226,8 @@ def train(model, run: Run, params, X, y, X_test, y_test, orders, args, quiet: bo
             run.failure = f"ran something else than its row says: {why}"
         seconds = []
         timed = time.perf_counter()
-        for order in tqdm(orders if first else orders[:LATER_ROUND_EPOCHS], desc=run.label, disable=quiet,
-                          leave=False):
+        timed_orders = orders if first else orders[:later_round_epochs(run, len(orders))]
+        for order in tqdm(timed_orders, desc=run.label, disable=quiet, leave=False):
             start = time.perf_counter()
             losses = model.train_epoch(X, y, args.batch, args.lr, order)  # returns host memory: the GPU is done
             seconds.append(time.perf_counter() - start)
@@ -240,6 +243,13 @@ def train(model, run: Run, params, X, y, X_test, y_test, orders, args, quiet: bo
                 run.predictions = model.forward(X_test).argmax(axis=1)
             run.test_accuracy = float((run.predictions == y_test).mean())
         return run
+
+
+def later_round_epochs(run: Run, epochs: int) -> int:
+    """The epochs a later round of a run times: as many of its first as last LATER_ROUND_SECONDS at its first round's
+    pace (its median epoch), at least one, at most LATER_ROUND_EPOCHS and the run's own."""
+    wanted = np.ceil(LATER_ROUND_SECONDS / run.rounds[0]) if run.rounds[0] > 0 else LATER_ROUND_EPOCHS
+    return int(min(max(wanted, 1), LATER_ROUND_EPOCHS, epochs))
 
 
 def restart(model, run: Run, params) -> None:
@@ -263,7 +273,7 @@ def pace(run: Run, params, X, y, args) -> float:
 
 def estimate(rows: int, steps: int, step_s: float, args) -> float:
     """Seconds the job will take, roughly, at level 1's pace (step_s) for every step: each row's warm-up epoch and its
-    epochs in each round (a later one LATER_ROUND_EPOCHS of them), level 1's honest runs (the float64 twin's
+    epochs in each round (a later one at most LATER_ROUND_EPOCHS of them), level 1's honest runs (the float64 twin's
     at TWIN_COST, and its reruns), and the lockstep's steps at LOCKSTEP_COST, over --jobs; and FIXED_S."""
     epochs = 1 + args.epochs + (args.rounds - 1) * min(LATER_ROUND_EPOCHS, args.epochs)
     training = rows * epochs * steps + (TWIN_COST + verify.HONEST_SAMPLES) * args.epochs * steps
@@ -426,6 +436,8 @@ def summarize(runs: list[Run], args, steps_per_epoch: int) -> list[dict]:
             "ran": run.ran,
             "train_s": float(sum(run.epoch_seconds)),
             "rounds": len(run.rounds),
+            # the epochs each later round timed, from the first round's pace (None: no later round)
+            "later_round_epochs": later_round_epochs(run, args.epochs) if len(run.rounds) > 1 else None,
             "steady": steady(run),
             "epoch_s_median": epoch,
             "epoch_s_rounds": run.rounds,
@@ -808,6 +820,7 @@ def job(args: argparse.Namespace) -> int:
     settings = run_settings(args)
     settings["train_size"] = n
     settings["later_round_epochs"] = LATER_ROUND_EPOCHS if LATER_ROUND_EPOCHS < args.epochs else None  # else whole
+    settings["later_round_seconds"] = LATER_ROUND_SECONDS  # ... fewer where they last that long (each row's: its own)
     settings["warm_up"] = "once per row"  # a later round times the same warm model again (before: a new one, warmed up)
     print(timing_rule(settings) + "\n")
     print_table(rows, args.wide)
@@ -890,15 +903,21 @@ def duration(seconds: float) -> str:
 
 def timing_rule(settings: dict) -> str:
     """How a run's times were taken, in a sentence, from its settings (results.json's): its rounds, and the epochs a
-    later round timed (no later_round_epochs: the whole run, as each round did before LATER_ROUND_EPOCHS), and whether
-    a later round timed the same warm model again (warm_up "once per row") or a new one, warmed up."""
+    later round timed (no later_round_epochs: the whole run, as each round did before LATER_ROUND_EPOCHS; with
+    later_round_seconds, as many as last that long, at most later_round_epochs), and whether a later round timed the
+    same warm model again (warm_up "once per row") or a new one, warmed up."""
     rounds, later_epochs = settings.get("rounds", 1), settings.get("later_round_epochs")
+    seconds = settings.get("later_round_seconds")
     if rounds == 1:
         return f"Timing: {WARM_UP}; us/step is the median epoch's."
     again = ("the same warm model from the initial weights" if settings.get("warm_up") == "once per row"
              else "a new model, warmed up")
-    later = (f" (the first its whole run, each later one {again}, its first {later_epochs} epochs)" if later_epochs
-             else f" (each later one {again})")
+    if seconds:  # each row's own count: results.json's table, later_round_epochs
+        later = (f" (the first its whole run, each later one {again}, its first epochs: as many as last {seconds:g} s "
+                 f"at the first round's pace, at most {later_epochs or settings.get('epochs')})")
+    else:
+        later = (f" (the first its whole run, each later one {again}, its first {later_epochs} epochs)" if later_epochs
+                 else f" (each later one {again})")
     return (f"Timing: {WARM_UP}; every row timed {rounds} times, in rounds over the rows{later}; us/step is the "
             f"median of the rounds' median epochs, with their range; a row whose rounds are more than {STEADY_RATIO}x "
             "apart is flagged unsteady and not published.")

@@ -272,8 +272,8 @@ class MlpStep:
 #   of the float64 ones and its m is on the other side of 0 (which only a candidate's can be), they are taken as the
 #   new moments as well: the float64 step takes the level's side of 0.
 #   Level 1's side first (the float64 step follows level 1), then the level's; each element whose m the level put on
-#   another side of 0 than level 1 did is reported as a tie, with its tensor and index. Nothing is taken anywhere else:
-#   a difference there fails the rule above.
+#   another side of 0 than level 1 did is reported as a tie, with its tensor and index. No other element's moments are
+#   taken: there the float64 step keeps its own m and v, and a difference fails the rule above.
 # The reach, carried as common/harness/verify_lenet.py carries a pre-activation's (gradient_reach):
 #   forward, each layer: E_out = gamma_n (|W| (|a| + E_in) + |b|) + |W| E_in, n the terms of each sum; a ReLU passes
 #       E where its input may be positive (h > -E), a 2 x 2 max-pool the largest E of its window;
@@ -645,13 +645,12 @@ class Lockstep:
         names = step.names
         expected, ties = step.exact.follow(got, observed, step.k, step.batch, step.allowed)
         record.ties += ties
-        adjust = {n: expected[n] - step.expected[n] for n in names}  # what the level's own tie decisions changed
         distance = {n: _norm(got[n] - expected[n]) for n in names}
         loss_allowed = LOSS_RTOL * abs(step.loss) + LOSS_ATOL
         shares = [abs(loss - step.loss) / loss_allowed] + [_share(distance[n], step.allowed[n]) for n in names]
         record.loss_err.append(abs(loss - step.loss) / max(abs(step.loss), np.finfo(np.float32).tiny))
-        record.update_err.append([_norm(got[n] - step.after[n] - adjust[n]) / step.size[n] if step.size[n] else 0.0
-                                  for n in names])
+        record.update_err.append([_norm(_update_difference(got[n], step.after[n], expected[n], step.expected[n]))
+                                  / step.size[n] if step.size[n] else 0.0 for n in names])
         record.used.append(max(shares))
         if shares[0] > 1:
             record.failure = (f"step {step.k}: loss {loss:.8g}, level 1's {step.loss:.8g}: "
@@ -661,6 +660,13 @@ class Lockstep:
             record.failure = (f"step {step.k}: the {_what(name)} is {distance[name]:.3g} from the float64 step, where "
                               f"level 1's is {step.own[name]:.3g} ({step.allowed[name]:.3g} allowed)"
                               + step.exact.unexplained(name.split(".exp_avg")[0]))
+
+
+def _update_difference(got: np.ndarray, after: np.ndarray, expected: np.ndarray, reference: np.ndarray) -> np.ndarray:
+    """A level's update less level 1's, less what the level's own tie decisions changed in the float64 step
+    (expected - reference): nothing where it took level 1's, the same array (a difference of zeros skipped)."""
+    difference = (got - after).astype(np.float64)  # measured in float64, as every distance here
+    return difference if expected is reference else difference - (expected - reference)
 
 
 def _what(name: str) -> str:
