@@ -24,6 +24,7 @@ def transposed(a: np.ndarray) -> bool:
 
 class NumpyBackend:
     device = "cpu"
+    recording = None  # a step is recorded as a CUDA graph on the GPU only (graphs.py)
 
     # ---- memory ----
 
@@ -43,6 +44,10 @@ class NumpyBackend:
     @staticmethod
     def ones(shape: tuple[int, ...]) -> np.ndarray:
         return np.ones(shape, dtype=np.float32)
+
+    @staticmethod
+    def full(shape: tuple[int, ...], value: float) -> np.ndarray:
+        return np.full(shape, value, dtype=np.float32)
 
     @staticmethod
     def copy(a: np.ndarray) -> np.ndarray:

@@ -19,6 +19,8 @@ NotImplementedError, never computed wrong.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -32,14 +34,18 @@ INT_MAX = 2**31 - 1  # what a C int counts: the library's sizes
 
 class Memory:
     """One allocation of device memory, a storage of `values` 4-byte values, given back to the pool when Python
-    collects it."""
+    collects it; while a step is recorded (graphs.py), a piece of the recording's arena instead, which it keeps alive."""
 
-    __slots__ = ("pointer", "values", "__weakref__")
+    __slots__ = ("pointer", "values", "arena", "__weakref__")
 
     def __init__(self, backend: CudaBackend, nbytes: int):
+        self.values, self.arena = nbytes // 4, backend.recording and backend.recording.arena
+        if self.arena:
+            self.pointer = self.arena.take(nbytes)
+            return
         out = ffi.new("void **")
         backend.check(backend.lib.ops_alloc(backend.context, out, nbytes))
-        self.pointer, self.values = ffi.gc(out[0], backend.free), nbytes // 4
+        self.pointer = ffi.gc(out[0], backend.free)
 
 
 class DeviceArray:
@@ -95,6 +101,8 @@ def _trailing(big: tuple[int, ...], small: tuple[int, ...]) -> int | None:
 
 class CudaBackend:
     device = "cuda"
+    recording = None  # the StepGraph (graphs.py) being recorded, if one is
+    held_back: list = []  # the memory given back while it is, freed once it is recorded (a list of its own then)
 
     def __init__(self):
         if not LIBRARY.exists():
@@ -111,8 +119,40 @@ class CudaBackend:
 
     def free(self, pointer) -> None:
         """ffi.gc's destructor: give the memory back (a failure cannot be raised from a collection; the stream's next
-        call reports a broken context)."""
-        self.lib.ops_free(self.context, pointer)
+        call reports a broken context). While a step is recorded, held back: a free recorded in the graph would run
+        again at each replay."""
+        if self.recording is not None:
+            self.held_back.append(pointer)
+        else:
+            self.lib.ops_free(self.context, pointer)
+
+    # ---- a step recorded as a CUDA graph (graphs.py) ----
+
+    @contextmanager
+    def recording_into(self, graph) -> Iterator[None]:
+        """Record the operations queued inside for `graph` (a StepGraph: its arena gives their arrays' memory), and
+        give it what they make, ready to replay, at graph.executable. A failure inside stops the recording, keeping
+        nothing."""
+        if self.recording is not None:
+            raise RuntimeError("a step is already being recorded: one recording at a time")
+        self.check(self.lib.ops_record_begin(self.context))
+        self.recording, self.held_back = graph, []
+        try:
+            yield
+            made = ffi.new("ops_graph **")
+            self.check(self.lib.ops_record_end(self.context, made))
+            graph.executable = ffi.gc(made[0], self.lib.ops_graph_destroy)
+        except BaseException:
+            self.lib.ops_record_abort(self.context)
+            raise
+        finally:
+            self.recording, held_back, self.held_back = None, self.held_back, []
+            for pointer in held_back:
+                self.lib.ops_free(self.context, pointer)
+
+    def replay(self, executable) -> None:
+        """Queue one replay of a recorded graph (graph.executable)."""
+        self.check(self.lib.ops_replay(self.context, executable))
 
     # ---- memory ----
 
@@ -141,9 +181,14 @@ class CudaBackend:
     def ones(self, shape: tuple[int, ...]) -> DeviceArray:
         return self._full(shape, 1.0)
 
+    def full(self, shape: tuple[int, ...], value: float) -> DeviceArray:
+        """An array of one value, filled on the device (a kernel, which a recorded step can hold; an upload it
+        cannot)."""
+        return self._full(shape, value)
+
     def _full(self, shape: tuple[int, ...], value: float) -> DeviceArray:
         out = self.empty(shape)
-        self.check(self.lib.ops_fill(self.context, out.ptr, value, max(out.size, 1)))
+        self.check(self.lib.ops_fill(self.context, out.ptr, float(value), max(out.size, 1)))
         return out
 
     def copy(self, a: DeviceArray) -> DeviceArray:
@@ -206,8 +251,8 @@ class CudaBackend:
                                              len(shape)))
 
     def assign(self, a: DeviceArray, values: np.ndarray) -> None:
-        """Overwrite a's values in place, from the host."""
-        host = np.asarray(values, dtype=np.float32, order="C")
+        """Overwrite a's values in place, from the host (float32, or int32 for labels, as a's)."""
+        host = np.asarray(values, dtype=np.float32 if a.dtype == "float" else np.int32, order="C")
         if not a.is_contiguous or host.shape != a.shape:
             raise ValueError(f"cannot assign {host.shape} to a device array of shape {a.shape}")
         self.check(self.lib.ops_upload(self.context, a.ptr, ffi.from_buffer(host), host.nbytes))
@@ -495,18 +540,48 @@ class CudaBackend:
     def adam_update(self, params: dict, grads: dict, exp_avg: dict, exp_avg_sq: dict, step: int, lr: float,
                     betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> None:
         """Level 3's adam_update on the device: the same float64 scalars (PyTorch's), rounded to float32 by the call."""
-        beta1, beta2 = betas
-        step_size, bias_correction2_sqrt = lr / (1 - beta1**step), (1 - beta2**step) ** 0.5
+        numbers = self.adam_numbers(step, lr, betas, eps)
         for name, grad in grads.items():
             self.check(self.lib.ops_adam_update(self.context, params[name].ptr, self.contiguous(grad).ptr,
-                                                exp_avg[name].ptr, exp_avg_sq[name].ptr, 1 - beta1, beta2, 1 - beta2,
-                                                step_size, bias_correction2_sqrt, eps, grad.size))
+                                                exp_avg[name].ptr, exp_avg_sq[name].ptr, *numbers, grad.size))
+
+    @staticmethod
+    def adam_numbers(step: int, lr: float, betas: tuple[float, float], eps: float) -> tuple[float, ...]:
+        """What ops_adam_update takes, computed in float64 as PyTorch's Python does: weight1, beta2, weight2,
+        step_size, bias_correction2_sqrt, eps (each rounded to float32 on its way to the kernel)."""
+        beta1, beta2 = betas
+        return 1 - beta1, beta2, 1 - beta2, lr / (1 - beta1**step), (1 - beta2**step) ** 0.5, eps
+
+    # ---- the same updates in a recorded step: their numbers read from device memory (graphs.py) ----
+
+    def sgd_update_from(self, p: DeviceArray, grad: DeviceArray, numbers: DeviceArray) -> None:
+        """p -= lr grad, lr = numbers[0]."""
+        self.check(self.lib.ops_sgd_update_from(self.context, p.ptr, self.contiguous(grad).ptr, numbers.ptr, p.size))
+
+    def sgd_momentum_update_from(self, p: DeviceArray, grad: DeviceArray, buf: DeviceArray,
+                                 numbers: DeviceArray) -> None:
+        """sgd_momentum_update, (lr, momentum) = numbers."""
+        self.check(self.lib.ops_sgd_momentum_update_from(self.context, p.ptr, self.contiguous(grad).ptr, buf.ptr,
+                                                         numbers.ptr, p.size))
+
+    def adam_update_from(self, p: DeviceArray, grad: DeviceArray, exp_avg: DeviceArray, exp_avg_sq: DeviceArray,
+                         numbers: DeviceArray) -> None:
+        """adam_update, its six numbers (adam_numbers) read from `numbers`."""
+        self.check(self.lib.ops_adam_update_from(self.context, p.ptr, self.contiguous(grad).ptr, exp_avg.ptr,
+                                                 exp_avg_sq.ptr, numbers.ptr, p.size))
 
     # ---- a data set, for the level's train_epoch ----
 
     def dataset(self, X: np.ndarray, y: np.ndarray) -> tuple[DeviceArray, DeviceArray]:
         """The training set uploaded once: X (N, 784) float32 and y (N,) int32 labels (both checked by the caller)."""
         return self.from_numpy(X), self.from_numpy(y, "int")
+
+    def batch_into(self, x: DeviceArray, labels: DeviceArray, data: tuple[DeviceArray, DeviceArray],
+                   order: DeviceArray, start: int) -> None:
+        """batch(), gathered into x and labels (a recorded step's input buffers) instead of new memory."""
+        X, y = data
+        self.check(self.lib.ops_gather(self.context, x.ptr, labels.ptr, X.ptr, y.ptr, order.ptr + start,
+                                       _count(len(x), "rows"), X.shape[1]))
 
     def order(self, order: np.ndarray) -> DeviceArray:
         return self.from_numpy(order, "int")

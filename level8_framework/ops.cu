@@ -541,12 +541,16 @@ int ops_sgd_update(ops *c, float *p, const float *dp, float lr, size_t n) {
 
 /* buf = momentum buf + dp, the product rounded on its own (PyTorch's buf.mul_(momentum).add_(dp) is two kernels);
  * then p -= lr buf. */
-__global__ void sgd_momentum_update_kernel(float *p, const float *dp, float *buf, float lr, float momentum, size_t n) {
-    const size_t i = thread_index();
-    if (i >= n) return;
+__device__ __forceinline__ void sgd_momentum_element(float *p, const float *dp, float *buf, float lr, float momentum,
+                                                     size_t i) {
     const float b = __fmul_rn(momentum, buf[i]) + dp[i];
     buf[i] = b;
     p[i] -= lr * b;
+}
+
+__global__ void sgd_momentum_update_kernel(float *p, const float *dp, float *buf, float lr, float momentum, size_t n) {
+    const size_t i = thread_index();
+    if (i < n) sgd_momentum_element(p, dp, buf, lr, momentum, i);
 }
 
 int ops_sgd_momentum_update(ops *c, float *p, const float *dp, float *buf, float lr, float momentum, size_t n) {
@@ -559,10 +563,9 @@ int ops_sgd_momentum_update(ops *c, float *p, const float *dp, float *buf, float
 
 /* PyTorch's Adam, one thread per element: m.lerp_(g, weight1); v.mul_(beta2).addcmul_(g, g, weight2);
  * p.addcdiv_(m, sqrt(v) / bias_correction2_sqrt + eps, -step_size). eps is added outside the square root. */
-__global__ void adam_update_kernel(float *p, const float *dp, float *m, float *v, float weight1, float beta2,
-                                   float weight2, float step_size, float bias_correction2_sqrt, float eps, size_t n) {
-    const size_t i = thread_index();
-    if (i >= n) return;
+__device__ __forceinline__ void adam_element(float *p, const float *dp, float *m, float *v, float weight1, float beta2,
+                                             float weight2, float step_size, float bias_correction2_sqrt, float eps,
+                                             size_t i) {
     const float g = dp[i];
     const float m_new = m[i] + weight1 * (g - m[i]);
     const float v_new = __fmul_rn(v[i], beta2) + weight2 * g * g;
@@ -570,6 +573,12 @@ __global__ void adam_update_kernel(float *p, const float *dp, float *m, float *v
     m[i] = m_new;
     v[i] = v_new;
     p[i] -= step_size * m_new / denom;
+}
+
+__global__ void adam_update_kernel(float *p, const float *dp, float *m, float *v, float weight1, float beta2,
+                                   float weight2, float step_size, float bias_correction2_sqrt, float eps, size_t n) {
+    const size_t i = thread_index();
+    if (i < n) adam_element(p, dp, m, v, weight1, beta2, weight2, step_size, bias_correction2_sqrt, eps, i);
 }
 
 int ops_adam_update(ops *c, float *p, const float *dp, float *m, float *v, float weight1, float beta2, float weight2,
@@ -580,5 +589,110 @@ int ops_adam_update(ops *c, float *p, const float *dp, float *m, float *v, float
     adam_update_kernel<<<blocks_for(n), THREADS, 0, stream(c)>>>(p, dp, m, v, weight1, beta2, weight2, step_size,
                                                                  bias_correction2_sqrt, eps, n);
     CUDA_CHECK(cudaGetLastError());
+    return MLP_OK;
+}
+
+/* ---- the updates reading their numbers from device memory, for a replayed step ---- */
+
+/* level 5's sgd_update_kernel, lr read from memory: the same expression, so the same bits. */
+__global__ void sgd_update_from_kernel(float *p, const float *dp, const float *numbers, size_t n) {
+    const size_t i = thread_index();
+    if (i >= n) return;
+    const float lr = numbers[0];
+    p[i] -= lr * dp[i];
+}
+
+__global__ void sgd_momentum_update_from_kernel(float *p, const float *dp, float *buf, const float *numbers, size_t n) {
+    const size_t i = thread_index();
+    if (i < n) sgd_momentum_element(p, dp, buf, numbers[0], numbers[1], i);
+}
+
+__global__ void adam_update_from_kernel(float *p, const float *dp, float *m, float *v, const float *numbers, size_t n) {
+    const size_t i = thread_index();
+    if (i < n)
+        adam_element(p, dp, m, v, numbers[0], numbers[1], numbers[2], numbers[3], numbers[4], numbers[5], i);
+}
+
+int ops_sgd_update_from(ops *c, float *p, const float *dp, const float *numbers, size_t n) {
+    CHECK_CONTEXT(c);
+    CHECK_POINTERS(p, dp, numbers);
+    sgd_update_from_kernel<<<blocks_for(n), THREADS, 0, stream(c)>>>(p, dp, numbers, n);
+    CUDA_CHECK(cudaGetLastError());
+    return MLP_OK;
+}
+
+int ops_sgd_momentum_update_from(ops *c, float *p, const float *dp, float *buf, const float *numbers, size_t n) {
+    CHECK_CONTEXT(c);
+    CHECK_POINTERS(p, dp, buf, numbers);
+    sgd_momentum_update_from_kernel<<<blocks_for(n), THREADS, 0, stream(c)>>>(p, dp, buf, numbers, n);
+    CUDA_CHECK(cudaGetLastError());
+    return MLP_OK;
+}
+
+int ops_adam_update_from(ops *c, float *p, const float *dp, float *m, float *v, const float *numbers, size_t n) {
+    CHECK_CONTEXT(c);
+    CHECK_POINTERS(p, dp, m, v, numbers);
+    adam_update_from_kernel<<<blocks_for(n), THREADS, 0, stream(c)>>>(p, dp, m, v, numbers, n);
+    CUDA_CHECK(cudaGetLastError());
+    return MLP_OK;
+}
+
+/* ---- a step recorded once and replayed ---- */
+
+struct ops_graph {
+    cudaGraphExec_t exec;
+};
+
+/* Thread-local capture: only this thread's calls that would wait for the GPU or take pool memory fail meanwhile. */
+int ops_record_begin(ops *c) {
+    CHECK_CONTEXT(c);
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    CUDA_CHECK(cudaStreamIsCapturing(stream(c), &capturing));
+    if (capturing != cudaStreamCaptureStatusNone) return FAIL(MLP_ERR_ARG, "the stream is already recording");
+    CUDA_CHECK(cudaStreamBeginCapture(stream(c), cudaStreamCaptureModeThreadLocal));
+    return MLP_OK;
+}
+
+int ops_record_end(ops *c, ops_graph **out) {
+    CHECK_CONTEXT(c);
+    if (!out) return FAIL(MLP_ERR_ARG, "out is NULL");
+    *out = NULL;
+    cudaGraph_t graph = NULL;
+    CUDA_CHECK(cudaStreamEndCapture(stream(c), &graph));
+    ops_graph *g = static_cast<ops_graph *>(calloc(1, sizeof *g));
+    cudaError_t err = g ? cudaGraphInstantiate(&g->exec, graph, 0) : cudaErrorMemoryAllocation;
+    (void)cudaGraphDestroy(graph); /* the instantiated graph is independent of it */
+    if (err != cudaSuccess) {
+        free(g);
+        return cuda_fail(err, "cudaGraphInstantiate", __FILE__, __LINE__);
+    }
+    *out = g;
+    return MLP_OK;
+}
+
+int ops_record_abort(ops *c) {
+    CHECK_CONTEXT(c);
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    CUDA_CHECK(cudaStreamIsCapturing(stream(c), &capturing));
+    if (capturing == cudaStreamCaptureStatusNone) return MLP_OK;
+    cudaGraph_t graph = NULL;
+    (void)cudaStreamEndCapture(stream(c), &graph); /* fails for a recording a failed call invalidated: nothing kept */
+    if (graph) (void)cudaGraphDestroy(graph);
+    (void)cudaGetLastError();
+    return MLP_OK;
+}
+
+int ops_replay(ops *c, ops_graph *g) {
+    CHECK_CONTEXT(c);
+    CHECK_POINTERS(g);
+    CUDA_CHECK(cudaGraphLaunch(g->exec, stream(c)));
+    return MLP_OK;
+}
+
+int ops_graph_destroy(ops_graph *g) {
+    if (!g) return MLP_OK;
+    const cudaError_t err = cudaGraphExecDestroy(g->exec);
+    free(g);
+    if (err != cudaSuccess) return cuda_fail(err, "cudaGraphExecDestroy", __FILE__, __LINE__);
     return MLP_OK;
 }

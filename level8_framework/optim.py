@@ -38,8 +38,22 @@ class Optimizer:
             p.grad = None
 
     def step(self) -> None:
-        """Update every parameter that has a gradient, in place (the backend's arrays: no graph is recorded)."""
-        self._step([(i, p) for i, p in enumerate(self.params) if p.grad is not None])
+        """Update every parameter that has a gradient, in place (the backend's arrays: no autograd graph is recorded).
+        Inside a recorded step (graphs.py), the update's kernels read their numbers from device memory that the graph
+        refills before each replay, and the state changes (Adam's step count) at each replay, not now."""
+        live = [(i, p) for i, p in enumerate(self.params) if p.grad is not None]
+        recording = live[0][1].backend.recording if live else None
+        if recording is None:
+            self._step(live)
+            return
+        if missing := [i for i, _ in live if not self.has_state(i)]:
+            raise RuntimeError(f"parameters {missing} have no {type(self).__name__} state yet: take one step before "
+                               "recording one (the state is made by a first step, which a recording does not run)")
+        self._record(live, recording)
+
+    def state_arrays(self) -> list:
+        """Every array of the state, in a fixed order: what a recorded step updates in place."""
+        return [s[key] for s in self.state for key in sorted(s) if key != "step"]
 
     def state_dict(self) -> dict:
         """The step count and arrays of each parameter's state (NumPy copies), and the hyperparameters."""
@@ -58,7 +72,7 @@ class Optimizer:
         for key, off in NEUTRAL.items():
             if groups[0].get(key, off) != off:
                 raise ValueError(f"{key}={groups[0][key]!r}: {type(self).__name__} here has no {key}")
-        state = [{} for _ in self.params]
+        state: list[dict] = [{} for _ in self.params]
         for i, saved in state_dict["state"].items():
             p = self.params[int(i)]
             for key, value in saved.items():
@@ -69,14 +83,36 @@ class Optimizer:
                     if array.shape != p.shape:
                         raise ValueError(f"state {key} of parameter {i} has shape {array.shape}, the parameter "
                                          f"{p.shape}")
-                    state[int(i)][key] = p.backend.from_numpy(array)
+                    state[int(i)][key] = array
         hyper = {k: groups[0][k] for k in self.hyper}
         self._check(**hyper)
         for k, v in hyper.items():
             setattr(self, k, tuple(v) if isinstance(v, (list, tuple)) else v)
-        self.state = state
+        self.state = [self._placed(p, own, loaded) for p, own, loaded in zip(self.params, self.state, state)]
+
+    @staticmethod
+    def _placed(p: Tensor, own: dict, loaded: dict) -> dict:
+        """A parameter's loaded state on its device: written into the arrays it has under the same keys (so that a
+        recorded step, which updates those, goes on with the loaded values), new arrays for the others."""
+        placed = {}
+        for key, value in loaded.items():
+            if key != "step" and key in own:
+                p.backend.assign(own[key], value)
+                value = own[key]
+            elif key != "step":
+                value = p.backend.from_numpy(value)
+            placed[key] = value
+        return placed
 
     def _step(self, live: list[tuple[int, Tensor]]) -> None:
+        raise NotImplementedError
+
+    def has_state(self, i: int) -> bool:
+        """Whether parameter i has the state its update needs (made by its first step)."""
+        return True
+
+    def _record(self, live: list[tuple[int, Tensor]], graph) -> None:
+        """The update of live's parameters, queued inside a recorded step (a graphs.StepGraph)."""
         raise NotImplementedError
 
     @staticmethod
@@ -112,6 +148,21 @@ class SGD(Optimizer):
             else:
                 be.sgd_momentum_update({i: p.data}, {i: p.grad.data}, {i: buf}, lr, self.momentum)
 
+    def has_state(self, i: int) -> bool:
+        return not self.momentum or "momentum_buffer" in self.state[i]
+
+    def _record(self, live: list[tuple[int, Tensor]], graph) -> None:
+        """The kernels read lr (and momentum), refilled before each replay: a learning rate changed between epochs
+        holds at the next replay."""
+        if not self.momentum:
+            numbers = graph.refilled((1,), lambda: np.array([self.lr], dtype=np.float32))
+            for _, p in live:
+                p.backend.sgd_update_from(p.data, p.grad.data, numbers)
+            return
+        numbers = graph.refilled((2,), lambda: np.array([self.lr, self.momentum], dtype=np.float32))
+        for i, p in live:
+            p.backend.sgd_momentum_update_from(p.data, p.grad.data, self.state[i]["momentum_buffer"], numbers)
+
     @staticmethod
     def _check(**hyper) -> None:
         Optimizer._check(**hyper)
@@ -138,6 +189,25 @@ class Adam(Optimizer):
             state["step"] += 1
             be.adam_update({i: p.data}, {i: p.grad.data}, {i: state["exp_avg"]}, {i: state["exp_avg_sq"]},
                            state["step"], self.lr, self.betas, self.eps)
+
+    def has_state(self, i: int) -> bool:
+        return bool(self.state[i])
+
+    def _record(self, live: list[tuple[int, Tensor]], graph) -> None:
+        """The kernels read each parameter's six numbers (the backend's adam_numbers) from a row of a table that is
+        refilled before each replay, each parameter's step count advanced then: the step the replay takes."""
+
+        def numbers() -> np.ndarray:
+            rows = []
+            for i, p in live:
+                self.state[i]["step"] += 1
+                rows.append(p.backend.adam_numbers(self.state[i]["step"], self.lr, self.betas, self.eps))
+            return np.array(rows, dtype=np.float32)
+
+        table = graph.refilled((len(live), 6), numbers)
+        for row, (i, p) in enumerate(live):
+            state, numbers = self.state[i], p.backend.as_strided(table, (6,), (1,), 6 * row)
+            p.backend.adam_update_from(p.data, p.grad.data, state["exp_avg"], state["exp_avg_sq"], numbers)
 
     @staticmethod
     def _check(**hyper) -> None:

@@ -303,8 +303,9 @@ def _result(data, backend, inputs: tuple[Tensor, ...], backward: Callable) -> Te
 
 
 def _constant(value: float, backend) -> Tensor:
-    """A number as a tensor of one value (shape ()) on `backend`, out of the graph."""
-    return _new(backend.from_numpy(np.asarray(value, dtype=np.float32)), backend)
+    """A number as a tensor of one value (shape ()) on `backend`, out of the graph; filled there, not uploaded (a
+    recorded step copies nothing from the host)."""
+    return _new(backend.full((), value), backend)
 
 
 def _operands(a: Tensor | float, b: Tensor | float) -> tuple[Tensor, Tensor]:

@@ -27,8 +27,8 @@ OWN_KERNELS = [pair for pair in NATIVE if pair[1] == "cuda"]
 
 def each_variant(pairs) -> list[tuple[Level, str, dict[str, str]]]:
     """Each (level, device) once per variant the harness runs of it (common/nets' list: level 5's three matrix
-    products), as (level, device, options)."""
-    return [(lv, device, options) for lv, device in pairs for options in THE_MLP.variants(lv.number)]
+    products, level 8's recorded step on the GPU), as (level, device, options)."""
+    return [(lv, device, options) for lv, device in pairs for options in THE_MLP.variants(lv.number, device)]
 
 
 def pytest_configure(config):

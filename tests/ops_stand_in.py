@@ -26,12 +26,61 @@ class StandIn:
     """The library's functions, by their names in ops.h (and mlp.h's two it uses)."""
 
     MLP_OK = 0
+    # What a CUDA stream capture refuses: waiting for the GPU, copies from or to host memory, the pool's memory.
+    NOT_RECORDED = ("ops_upload", "ops_download", "ops_synchronize", "ops_alloc", "ops_free")
 
     def __init__(self):
         self.memory: dict[int, object] = {}
+        self.error = "stand-in: no error"
+        self.recording: list | None = None  # the calls made since ops_record_begin, as (function, arguments)
+        self.graphs: dict[int, list] = {}  # each recorded graph's calls, by the handle ops_record_end gave
+
+    def __getattribute__(self, name: str):
+        """While a step is recorded, a call of an operation is kept for the replays, not made, as CUDA's stream
+        capture does; a call capture refuses fails, as it would."""
+        function = object.__getattribute__(self, name)
+        recording = object.__getattribute__(self, "recording")
+        if recording is None or not name.startswith("ops_") or "record" in name:
+            return function
+        if name in StandIn.NOT_RECORDED:
+            return lambda *args: self.fail(f"{name} while a step is recorded: operation not permitted when stream is "
+                                           "capturing")
+        return lambda *args: recording.append((function, args)) or 0
+
+    def fail(self, message: str) -> int:
+        self.error = message
+        return 1
 
     def mlp_last_error(self):
-        return ffi.new("char[]", b"stand-in: no error")
+        return ffi.new("char[]", self.error.encode())
+
+    # ---- a step recorded and replayed ----
+
+    def ops_record_begin(self, c) -> int:
+        if self.recording is not None:
+            return self.fail("the stream is already recording")
+        self.recording = []
+        return 0
+
+    def ops_record_end(self, c, out) -> int:
+        handle = self.recorded = getattr(self, "recorded", 0) + 1  # a handle never given twice
+        self.graphs[handle], self.recording = self.recording, None
+        out[0] = ffi.cast("ops_graph *", handle)
+        return 0
+
+    def ops_record_abort(self, c) -> int:
+        self.recording = None
+        return 0
+
+    def ops_replay(self, c, g) -> int:
+        for function, args in self.graphs[int(ffi.cast("uintptr_t", g))]:
+            if status := function(*args):
+                return status
+        return 0
+
+    def ops_graph_destroy(self, g) -> int:
+        del self.graphs[int(ffi.cast("uintptr_t", g))]
+        return 0
 
     def mlp_device_buffers(self) -> int:
         return len(self.memory)
@@ -193,6 +242,17 @@ class StandIn:
     def ops_sgd_momentum_update(self, c, p, dp, buf, lr, momentum, n) -> int:
         L3.sgd_momentum_update({0: view(p, n)}, {0: view(dp, n)}, {0: view(buf, n)}, np.float32(lr), momentum)
         return 0
+
+    # the updates reading their numbers from memory when they run (in a replay: the numbers refilled before it)
+
+    def ops_sgd_update_from(self, c, p, dp, numbers, n) -> int:
+        return self.ops_sgd_update(c, p, dp, float(view(numbers, 1)[0]), n)
+
+    def ops_sgd_momentum_update_from(self, c, p, dp, buf, numbers, n) -> int:
+        return self.ops_sgd_momentum_update(c, p, dp, buf, *map(float, view(numbers, 2)), n)
+
+    def ops_adam_update_from(self, c, p, dp, m, v, numbers, n) -> int:
+        return self.ops_adam_update(c, p, dp, m, v, *map(float, view(numbers, 6)), n)
 
     def ops_adam_update(self, c, p, dp, m, v, weight1, beta2, weight2, step_size, bc2_sqrt, eps, n) -> int:
         P, g, M, V = view(p, n), view(dp, n), view(m, n), view(v, n)

@@ -108,8 +108,8 @@ def test_the_files_say_what_ran_and_flag_an_unsteady_row(mnist, monkeypatch, tmp
 
 @pytest.mark.gpu
 def test_the_gpu_rows_are_verified_then_timed(mnist, request):
-    """On a GPU: the operation each way on the device (read back from what ran), and level 8's step beside level 6's
-    and PyTorch eager's, each verified in lockstep first."""
+    """On a GPU: the operation each way on the device (read back from what ran), and level 8's step, op by op and
+    replayed as a CUDA graph, beside level 6's and PyTorch eager's, each verified in lockstep first."""
     from common.levels import level
     from conftest import require
 
@@ -119,6 +119,7 @@ def test_the_gpu_rows_are_verified_then_timed(mnist, request):
     assert {r["ran"] for r in ops["rows"]} == {"cuda"}
     steps = fc.measure_steps("cuda", small_data(mnist), steps=6, hidden=16, repeats=2, parts=2)
     rows = {r["label"]: r for r in steps["rows"]}
-    assert list(rows) == ["level6[cuda]", "torch-eager[cuda]", "level8[cuda]"]
+    assert list(rows) == ["level6[cuda]", "torch-eager[cuda]", "level8[cuda]", "level8[cuda, graph]"]
     assert rows["level8[cuda]"]["ran"] == {"device": "cuda"}  # SGD, the default, goes unnamed
+    assert rows["level8[cuda, graph]"]["ran"] == {"device": "cuda", "step": "graph"}
     assert all(0 <= r["lockstep_used"] < 1 for r in rows.values())

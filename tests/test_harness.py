@@ -237,12 +237,14 @@ def test_the_table_fits_a_terminal_says_its_units_and_sums_up_the_ties(tmp_path,
 
 
 def test_each_variant_of_a_level_is_a_row_of_its_own():
-    """The network list names each level's variants (its convolutions, its matrix products), the default first; the
-    harness makes a row of each, named after its options."""
+    """The network list names each level's variants (its convolutions, its matrix products, the MLP's level 8 step
+    replayed as a CUDA graph on a GPU), the default first; the harness makes a row of each, named after its options."""
     mlp, lenet = get("mlp"), get("lenet")
     assert mlp.variants(5) == ({"matmul": "naive"}, {"matmul": "tiled"}, {"matmul": "blocked"})
     assert mlp.variants(4) == mlp.variants(6) == ({},)
     assert lenet.variants(5) == ({"convolution": "direct"}, {"convolution": "tiled"}) and lenet.variants(6) == ({},)
+    assert mlp.variants(8, "cuda") == ({}, {"step": "graph"}) and mlp.variants(8) == lenet.variants(8, "cuda") == ({},)
+    assert compare.row_label(level(8), "cuda", {"step": "graph"}) == "level8[cuda, graph]"
     assert compare.row_label(level(5), "cuda", {"matmul": "tiled"}) == "level5[cuda, tiled]"
     assert compare.row_label(level(4), "cpu", {}) == "level4[cpu]"
 

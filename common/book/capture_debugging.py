@@ -15,8 +15,9 @@ What it records, each into a text file the level 5 chapter shows (the last one, 
                    request (coalescing), memory and compute throughput;
   ceilings.json    this GPU's measured FP32 matrix-product rate and device-memory bandwidth, the ceilings beside
                    every GFLOP/s figure of the chapters;
-  framework_timeline.txt   one training step of level 8 on the GPU, of level 6 (the same kernels called by hand) and
-                   of PyTorch eager, as timelines of GPU work (level 8's chapter).
+  framework_timeline.txt   one training step of level 8 on the GPU (op by op, and replayed as a CUDA graph), of level
+                   6 (the same kernels called by hand) and of PyTorch eager, as timelines of GPU work (level 8's
+                   chapter).
 The bugs are planted in scratch copies of the repository (tests/plant_bugs.py's scratch_copy); nothing here changes
 the working tree. sources.json records the sources each capture quotes (common.book.make.write_capture), so the chapter that
 shows them is stale once one of those changes.
@@ -172,12 +173,13 @@ def capture_framework_timeline(folder: Path) -> None:
     X, y = timeline_data()
     lines = []
     for name, model in (("level6", level6_cublas.MLP(init_params(0))), ("torch-eager", Eager(init_params(0))),
-                        ("level8", level8_framework.MLP(init_params(0), device="cuda"))):
+                        ("level8", level8_framework.MLP(init_params(0), device="cuda")),
+                        ("level8-graph", level8_framework.MLP(init_params(0), device="cuda", step="graph"))):
         lines += step_timeline(name, model, X, y)
     write_capture(folder / "framework_timeline.txt", "\n".join(lines) + "\n",
                   [*LEVEL5, "level6_cublas/mlp.cu", "level8_framework/ops.cu", "level8_framework/cuda.py",
                    "level8_framework/tensor.py", "level8_framework/nn.py", "level8_framework/optim.py",
-                   "level8_framework/mlp.py"])
+                   "level8_framework/mlp.py", "level8_framework/graphs.py"])
 
 
 def capture_ncu(folder: Path) -> None:

@@ -84,7 +84,7 @@ def profile_gpu(steps: int = 400, clock: Phases | None = None) -> list[dict]:
         gpu_runs = [compare.Run(compare.row_label(lv, "cuda", options), lv.number, "cuda",
                                 compare.factory(lv, "cuda", **options))
                     for lv, device in compare.runs_for([lv.number for lv in LEVELS], gpu=True)
-                    if device == "cuda" and not missing(lv, "cuda") for options in THE_MLP.variants(lv.number)]
+                    if device == "cuda" and not missing(lv, "cuda") for options in THE_MLP.variants(lv.number, device)]
         for run in gpu_runs[:1] + compare.peer_runs(THE_MLP) + gpu_runs[1:]:
             with clock(f"profile: {run.label} made, warmed up and timed"):
                 model = run.factory(init_params(0, hidden))

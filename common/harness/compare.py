@@ -732,7 +732,7 @@ def rows_to_run(args) -> tuple[list[Run], dict[str, str]]:
         if why := missing(lv, device, network, optimizer):
             print(f"skipping {lv.name} ({lv.title}): {'; '.join(why)}")
             continue
-        for options in network.variants(lv.number):  # LeNet's levels 4 and 5: two convolutions; the MLP's 5: three
+        for options in network.variants(lv.number, device):  # LeNet's 4 and 5: two convolutions; the MLP's 5: three
             label = row_label(lv, device, options)
             options = options | optimizer.options  # every row trains with it: the heading says so, not the label
             threads = cpu_threads(network, args.batch, args.hidden) if (lv.number, device) == (1, "cpu") else None

@@ -12,8 +12,9 @@ step against the levels that write the step by hand.
    the host's, per call, with the queue drained at the end of each part.
 2. One training step of the MLP at the chapter's size (784-256-10, batch 8, real MNIST): each implementation's
    train_epoch over STEPS batches, per step. On the CPU level 8 against level 3 (the same functions, called by hand)
-   and level 1; on the GPU level 8 against PyTorch eager (torch-eager) and level 6. Each is verified before it is
-   timed: those STEPS steps in lockstep with level 1 (common/harness/verify.py), as make compare verifies a level.
+   and level 1; on the GPU level 8, op by op and its step replayed as one CUDA graph (level8_framework/graphs.py),
+   against PyTorch eager (torch-eager) and level 6. Each is verified before it is timed: those STEPS steps in lockstep
+   with level 1 (common/harness/verify.py), as make compare verifies a level.
 
 On the CPU every time is the thread's CPU time (time.thread_time): all the work runs on the calling thread, and the
 time the machine's other processes run instead is not counted (the load average is recorded before and after). On
@@ -142,8 +143,8 @@ def measure_ops(device: str, calls: int = CALLS, repeats: int = REPEATS, parts: 
 
 
 def step_factories(device: str) -> dict[str, Callable]:
-    """params -> a fresh model, for each implementation timed on `device` (level 8 last). Raises for one this machine
-    cannot run, saying why."""
+    """params -> a fresh model, for each implementation timed on `device` (level 8's last). Raises for one this
+    machine cannot run, saying why."""
     levels = {"cpu": {"level3[cpu]": level(3), compare.REFERENCE: level(1)}, "cuda": {"level6[cuda]": level(6)}}[device]
     for label, lv in {**levels, f"level8[{device}]": level(8)}.items():
         if why := missing(lv, device):
@@ -153,7 +154,10 @@ def step_factories(device: str) -> dict[str, Callable]:
         from level1_pytorch.peers import peers
 
         factories["torch-eager[cuda]"] = peers(THE_MLP)["torch-eager"]
-    return {**factories, f"level8[{device}]": compare.factory(level(8), device)}
+    factories[f"level8[{device}]"] = compare.factory(level(8), device)
+    if device == "cuda":
+        factories["level8[cuda, graph]"] = compare.factory(level(8), device, step="graph")
+    return factories
 
 
 def step_timer(model, data, order: np.ndarray, batch: int, parts: int,
@@ -226,7 +230,7 @@ def markdown(record: dict) -> str:
         lines += ["", f"Level 8's cost per operation on {ops['device']} (recording minus the backend's function): "
                   + (f"{cost:.1f} us." if cost is not None else "not published (a row is unsteady)."), ""]
     for steps in record["steps"]:
-        ours = next(r["us"] for r in steps["rows"] if r["label"].startswith("level8"))
+        ours = next(r["us"] for r in steps["rows"] if r["label"] == f"level8[{steps['device']}]")
         lines += [(f"One training step on {steps['device']}, batch {steps['batch']}, hidden {steps['hidden']} "
                    f"({steps['clock']}; {steps['steps']} steps per repeat, each implementation first verified in "
                    "lockstep with level 1 over them):"), "",

@@ -150,6 +150,29 @@ int ops_sgd_momentum_update(ops *c, float *p, const float *dp, float *buf, float
  * bias_correction2_sqrt = sqrt(1 - beta2^step). */
 int ops_adam_update(ops *c, float *p, const float *dp, float *m, float *v, float weight1, float beta2, float weight2,
                     float step_size, float bias_correction2_sqrt, float eps, size_t n);
+/* ---- a step recorded once and replayed: CUDA graphs ---- */
+
+typedef struct ops_graph ops_graph; /* opaque: a recorded graph, ready to replay */
+
+/* From here until ops_record_end, the operations queued on the stream are recorded, not run (CUDA's stream capture):
+ * nothing may wait for the stream (ops_download and ops_synchronize fail), copy from host memory or take memory from
+ * the pool meanwhile; the operations work on memory taken before. */
+int ops_record_begin(ops *c);
+/* The operations recorded since ops_record_begin, as a graph ready to replay: *out. */
+int ops_record_end(ops *c, ops_graph **out);
+/* Stop a recording after a failure, keeping nothing (a stream not recording is left as it is). */
+int ops_record_abort(ops *c);
+/* Queue one replay of g: every recorded operation again, in order, on the memory it was recorded with. */
+int ops_replay(ops *c, ops_graph *g);
+/* Free g (a replay already queued still runs); NULL is allowed. */
+int ops_graph_destroy(ops_graph *g);
+
+/* The three updates above, their numbers read from device memory when they run, as a replayed step needs (its
+ * kernels' arguments are recorded once; its numbers change with each step): lr (1); lr, momentum (2); weight1, beta2,
+ * weight2, step_size, bias_correction2_sqrt, eps (6). The same arithmetic, the same bits. */
+int ops_sgd_update_from(ops *c, float *p, const float *dp, const float *numbers, size_t n);
+int ops_sgd_momentum_update_from(ops *c, float *p, const float *dp, float *buf, const float *numbers, size_t n);
+int ops_adam_update_from(ops *c, float *p, const float *dp, float *m, float *v, const float *numbers, size_t n);
 /* cdef-end */
 
 #ifdef __cplusplus

@@ -37,6 +37,7 @@ class Network:
     peers: tuple[str, ...] = ()  # the loops it is timed against on a GPU (level1_pytorch/peers.py)
     convolutions: tuple[tuple[int, tuple[str, ...]], ...] = ()  # (level, its convolutions, the default first)
     matmuls: tuple[tuple[int, tuple[str, ...]], ...] = ()  # (level, its matrix products, in teaching order)
+    graphs: tuple[int, ...] = ()  # the levels with a row of their GPU step recorded once and replayed (step="graph")
 
     @property
     def network(self) -> ModuleType:
@@ -47,13 +48,16 @@ class Network:
         """The shared library of native level `number` for this network, or None."""
         return dict(self.libraries).get(number)
 
-    def variants(self, number: int) -> tuple[dict[str, str], ...]:
-        """The options of each variant of level `number` for this network, each a run of `make compare`: its
-        convolutions ({"convolution": "tiled"}) or its matrix products ({"matmul": "tiled"}), the default first;
-        ({},) where it has no choice."""
+    def variants(self, number: int, device: str = "cpu") -> tuple[dict[str, str], ...]:
+        """The options of each variant of level `number` on `device` for this network, each a run of `make compare`:
+        its convolutions ({"convolution": "tiled"}) or its matrix products ({"matmul": "tiled"}), the default first;
+        on a GPU, its step replayed as a CUDA graph ({"step": "graph"}) after its eager one ({}); ({},) where it has no
+        choice."""
         for option, choices in (("convolution", self.convolutions), ("matmul", self.matmuls)):
             if number in dict(choices):
                 return tuple({option: name} for name in dict(choices)[number])
+        if device == "cuda" and number in self.graphs:
+            return {}, {"step": "graph"}
         return ({},)
 
     def float64_step(self):
@@ -73,7 +77,7 @@ NETWORKS: tuple[Network, ...] = (
             ((4, "libmlp.so"), (5, "libmlp.so"), (6, "libmlp.so"), (7, "libmlp.so")), has_hidden=True,
             step="common.harness.verify:MlpStep", per_layer="common.harness.verify:mlp_per_layer",
             run={"epochs": 10, "train_size": 10_000, "batch": 8, "lr": 0.01}, peers=PEERS,
-            matmuls=((5, ("naive", "tiled", "blocked")),)),
+            matmuls=((5, ("naive", "tiled", "blocked")),), graphs=(8,)),
     Network("lenet", "LeNet-5", "common.nets.lenet", "LeNet", (1, 2, 3, 4, 5, 6, 7, 8),
             ((4, "liblenet.so"), (5, "liblenet.so"), (6, "liblenet.so"), (7, "liblenet.so")), has_hidden=False,
             step="common.harness.verify_lenet:LeNetStep", per_layer="common.harness.verify_lenet:per_layer",

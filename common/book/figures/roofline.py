@@ -23,8 +23,8 @@ def row_colour(label: str) -> str:
     """A row's colour as the harness's plots give it: its level's, in the tint of its variant (level5[cuda, tiled]:
     level 5's second matrix product); a row without options in the level's own colour."""
     name, _, inside = label.partition("[")
-    options = inside.rstrip("]").split(", ")[1:]
-    variants = [list(v.values()) for v in THE_MLP.variants(int(name.removeprefix("level")))]
+    device, *options = inside.rstrip("]").split(", ")
+    variants = [list(v.values()) for v in THE_MLP.variants(int(name.removeprefix("level")), device)]
     return colour(label, variants.index(options) if options in variants else 0)
 
 
