@@ -124,7 +124,12 @@ class Model:
             return None
         be = self._backend
         x, labels = be.empty((size, data[0].shape[1])), be.empty((size,), "int")
-        graph = StepGraph(be, lambda: self._step(from_backend(x, be), labels))
+        try:
+            graph = StepGraph(be, lambda: self._step(from_backend(x, be), labels))
+        except BaseException:  # the recording stopped (a failure, Ctrl-C): the gradients it made were never computed
+            for p in params:
+                p.grad = None
+            raise
         graph.x, graph.labels, graph.held = x, labels, held
         graph.grads = [(p, p.grad) for p in params]
         self._graph = graph

@@ -190,6 +190,37 @@ def test_a_recording_refuses_what_a_graph_cannot_hold_and_leaves_the_backend_as_
     assert all(adam.has_state(i) for i in range(len(adam.params)))
 
 
+def test_ctrl_c_while_a_step_is_recorded_leaves_the_backend_eager_and_its_memory_given_back(gpu, mnist):
+    """A KeyboardInterrupt raised inside the recorded step (Ctrl-C) stops the recording: it reaches the caller, nothing
+    is left recording or held back, no parameter keeps a gradient the recording never computed, the arrays made
+    meanwhile go back with the arena, and the model trains on (a step op by op, then replays); bit for bit as the
+    eager model."""
+    from level8_framework import cuda
+
+    eager, graphed = models("mlp", "sgd")
+    X, y = mnist[0][:48], mnist[1][:48]
+    for model in (eager, graphed):
+        model.train_epoch(X[:16], y[:16], 16, 0.05)  # op by op: the state, and cuBLAS set up
+    gc.collect()
+    before = cuda.backend().buffers()
+    interrupted = graphed.optimizer.step
+
+    def ctrl_c():
+        raise KeyboardInterrupt
+
+    graphed.optimizer.step = ctrl_c  # pressed while the step is recorded, after its forward and backward
+    with pytest.raises(KeyboardInterrupt):
+        graphed.train_epoch(X[16:32], y[16:32], 16, 0.05)
+    graphed.optimizer.step = interrupted
+    assert cuda.backend().recording is None and cuda.backend().held_back == [] and graphed._graph is None
+    assert all(p.grad is None for p in graphed.net.parameters())
+    gc.collect()
+    assert cuda.backend().buffers() <= before
+    np.testing.assert_array_equal(graphed.train_epoch(X, y, 16, 0.05), eager.train_epoch(X, y, 16, 0.05))
+    assert_same_bits(eager, graphed)
+    assert graphed._replays == 3 - 1  # the first step after the interruption op by op (no gradients), then replays
+
+
 def test_an_arena_too_small_is_doubled_until_the_step_fits(gpu, mnist, monkeypatch):
     """The step recorded again on a larger arena until its arrays fit: the same bits."""
     from level8_framework import graphs
