@@ -34,6 +34,7 @@ class StandIn:
         self.error = "stand-in: no error"
         self.recording: list | None = None  # the calls made since ops_record_begin, as (function, arguments)
         self.graphs: dict[int, list] = {}  # each recorded graph's calls, by the handle ops_record_end gave
+        self.graphs_made = 0  # so that no handle is given twice
 
     def __getattribute__(self, name: str):
         """While a step is recorded, a call of an operation is kept for the replays, not made, as CUDA's stream
@@ -63,7 +64,8 @@ class StandIn:
         return 0
 
     def ops_record_end(self, c, out) -> int:
-        handle = self.recorded = getattr(self, "recorded", 0) + 1  # a handle never given twice
+        self.graphs_made += 1
+        handle = self.graphs_made
         self.graphs[handle], self.recording = self.recording, None
         out[0] = ffi.cast("ops_graph *", handle)
         return 0

@@ -155,14 +155,14 @@ def test_a_step_recorded_with_sgd_momentum_through_the_framework(gpu, mnist):
 def test_a_recording_refuses_what_a_graph_cannot_hold_and_leaves_the_backend_as_it_was(gpu, mnist):
     """A step that waits for the GPU (.item()) or records before the optimizer has its state is refused with the
     reason, and the backend goes on eagerly afterwards: nothing is left recording, no memory held back."""
-    from level8_framework import optim
+    from level8_framework import Tensor, optim
     from level8_framework.cuda import backend
     from level8_framework.graphs import StepGraph
     from level8_framework.mlp import mlp
 
     be = backend()
     net = mlp(8).to("cuda")
-    x = from_numpy_on(be, mnist[0][:4])
+    x = Tensor(mnist[0][:4], device="cuda")
 
     def host_work():
         net.zero_grad()
@@ -256,8 +256,3 @@ def test_a_graph_is_asked_for_on_the_gpu_only():
     with pytest.raises(ValueError, match="step must be one of"):
         level(8).load()(get("mlp").network.init_params(0, 8), step="lazy")
 
-
-def from_numpy_on(be, array: np.ndarray):
-    from level8_framework.tensor import from_backend
-
-    return from_backend(be.from_numpy(array), be)
