@@ -241,6 +241,8 @@ static int level_state_destroy(lenet *m) {
 
 /* ---- the step as a CUDA graph ---- */
 
+#ifndef LENET_FUSED_STEP /* level 7 includes this file, and trains with its own two kernels instead */
+
 /* The graph of one_step (common/native/cuda_lenet.cuh) for B rows and this learning rate, captured unless the one we have
  * still fits: a graph keeps the pointers it was captured with, so a buffer reallocated since (a larger batch, a new
  * data set) means a new one. */
@@ -290,3 +292,4 @@ static int train_steps(lenet *m, int n_order, int batch_size, float lr) {
     const int rest = n_order - whole * batch_size;
     return one_step(m, m->order + (size_t)whole * batch_size, rest, lr, m->losses + whole);
 }
+#endif /* LENET_FUSED_STEP */

@@ -1,5 +1,6 @@
 """Level 7: one fused, persistent CUDA kernel for the steps of an epoch (mlp.cu), and for LeNet-5 one fused kernel for
-its forward (lenet.cu: inference; its training is level 6's), through the shared cffi binding.
+its forward (lenet.cu: inference) and two for its training step (a block per image, then a thread per parameter),
+through the shared cffi binding.
 
 Build with `make level7`. Where a size does not fit on chip, an epoch runs level 6's queued kernels instead
 (correct, slower); `MLP(params).plan(batch_size)` says which path a batch size takes, and train_epoch warns,

@@ -187,6 +187,16 @@ BUGS = [
      "LeNet: max-pool of the convolution before its ReLU (a window of negatives pools to a negative)"),
     (7, "level7_fused/lenet.cu", "    for (int i = n / 4 * 4 + threadIdx.x; i < n; i += blockDim.x) __pipeline_memcpy_async(dst + i, src + i, 4);\n",
      "", "LeNet: the copy's odd tail dropped (the last two of fc3's biases never reach shared memory)"),
+    # LeNet-5 (level7_fused/lenet.cu): its training step, two kernels
+    (7, "level7_fused/lenet.cu", "best = v[d] > v[best] ? d : best;", "best = v[d] >= v[best] ? d : best;",
+     "LeNet's fused step: max-pool choosing the last of equal maxima (PyTorch takes the first)"),
+    (7, "level7_fused/lenet.cu", "/* a2 becomes dh2 */\n    __syncthreads();\n", "/* a2 becomes dh2 */\n",
+     "LeNet's fused step: conv2's gradients read dh2 before every thread has written it"),
+    (7, "level7_fused/lenet.cu", "const int b = blockIdx.x, row = a.rows ? a.rows[b] : b;",
+     "const int b = blockIdx.x, row = b;", "LeNet's fused step: every step trains on the data set's first rows"),
+    (7, "level7_fused/lenet.cu", "for (int r = 0; r < RUNS; r++) g += runs[r][lane];",
+     "for (int r = 0; r < RUNS - 1; r++) g += runs[r][lane];",
+     "LeNet's fused step: a run of the batch's rows left out of every gradient"),
     # Level 8, the framework (its CPU backend; its optimizers' updates are level 3's)
     (8, "level8_framework/cpu.py", "else a.T @ g", "else g.T @ a", "matmul's db transposed"),
     (8, "level8_framework/cpu.py", ("return g.sum(axis=0)", "return g.sum(axis=axes).reshape(shape)"),

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.lenet
 LENET = get("lenet")
 
 # (level, device, variant): level 1 on either device and the benchmark's peers (level1_pytorch/peers.py); levels 4
-# and 5 with each of their two convolutions; level 6 (cuDNN); level 7 (level 6's training, its forward fused); level 8
+# and 5 with each of their two convolutions; level 6 (cuDNN); level 7 (its own fused forward and training step); level 8
 # on either device.
 GPU1, GPU5, GPU6, GPU7, GPU8 = ([getattr(pytest.mark, f"level{n}"), pytest.mark.gpu] for n in (1, 5, 6, 7, 8))
 IMPLEMENTATIONS = [
@@ -274,13 +274,33 @@ def test_level5s_tiled_convolution_is_the_kernel_that_runs(request, trained, dig
 
 
 @pytest.mark.gpu
+@pytest.mark.level7
+def test_level7s_training_is_its_own_two_kernels(request, trained, digits):
+    """Level 7 includes level 6's library calls but trains without them: a step, and the forward and backward that
+    the per-layer check reads, launch its two kernels and nothing else (no cuDNN, no cuBLAS)."""
+    require(level(7), "cuda", request.config, LENET)
+    from torch.profiler import ProfilerActivity, profile
+
+    model = level(7).load(LENET)(trained)
+    for call in (lambda: model.train_epoch(*digits, 8, 0.05), lambda: model.layers(*digits),
+                 lambda: model.loss_and_grads(*digits)):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            call()
+        kernels = {e.name.split("(")[0].removeprefix("void ") for e in prof.events() if e.device_type.name == "CUDA"}
+        assert {k for k in kernels if not k.startswith(("Memcpy", "Memset"))} == {"lenet_train_images",
+                                                                                 "lenet_train_update"}
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("number, convolution", [
     pytest.param(5, "direct", marks=pytest.mark.level5, id="level5-direct"),
     pytest.param(5, "tiled", marks=pytest.mark.level5, id="level5-tiled"),
     pytest.param(6, "direct", marks=pytest.mark.level6, id="level6"),
+    pytest.param(7, "direct", marks=pytest.mark.level7, id="level7"),
 ])
 def test_gpu_reruns_are_bit_identical_at_odd_sizes(request, mnist, number, convolution):
-    """No atomics anywhere (level 6: cuDNN's deterministic algorithms): two runs give the same bits. Batches of 37
+    """No atomics anywhere (level 6: cuDNN's deterministic algorithms; level 7: its sums over the batch in a fixed
+    order): two runs give the same bits. Batches of 37
     (tiles cut by the edge of the batch) and a forward pass across FORWARD_CHUNK (1,030 rows), against level 4."""
     require(level(number), "cuda", request.config, LENET)
     X, y = mnist[0][:1030], mnist[1][:1030]
