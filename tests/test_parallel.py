@@ -115,11 +115,16 @@ def test_a_failure_in_a_later_stretch_is_the_one_process_finds_and_ends_the_reco
     assert len(records["off"].used) == len(alone["off"].used) == OffAtARow.ROW // BATCH + 1
 
 
+# One batch, so one task: multiprocessing.Pool, stopped by an error while its task thread still writes a worker a
+# large task (level 1's state), can end its workers first and wait for ever (python/cpython#96995).
+ONE_BATCH = [np.arange(BATCH, dtype=np.int32)]
+
+
 def test_a_worker_that_cannot_make_its_model_raises_instead_of_hanging():
     factories = {"bad": compare.Factory("mlp", "cpu", level=3, options=(("matmul", "loops"),))}
     with pytest.raises(TypeError, match="matmul"):
-        parallel.lockstep(factories, init_params(0), compare.TrainingData(80, False),
-                          [np.arange(80, dtype=np.int32)], BATCH, LR, 2, get("mlp"))
+        parallel.lockstep(factories, init_params(0), compare.TrainingData(BATCH, False), ONE_BATCH, BATCH, LR, 2,
+                          get("mlp"))
 
 
 def _refuse():
@@ -135,8 +140,8 @@ class Unpicklable:
 
 def test_a_worker_that_cannot_unpickle_its_factories_raises_instead_of_hanging():
     with pytest.raises(RuntimeError, match="could not start.*cannot be unpickled"):
-        parallel.lockstep({"bad": Unpicklable()}, init_params(0), compare.TrainingData(80, False),
-                          [np.arange(80, dtype=np.int32)], BATCH, LR, 2, get("mlp"))
+        parallel.lockstep({"bad": Unpicklable()}, init_params(0), compare.TrainingData(BATCH, False), ONE_BATCH, BATCH,
+                          LR, 2, get("mlp"))
 
 
 def test_the_stretches_cover_every_step_once():
