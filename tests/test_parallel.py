@@ -4,8 +4,11 @@ compare job resumes from its journal (common/harness/compare.py's Progress)."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import stat
+import time
+from concurrent.futures.process import BrokenProcessPool
 
 import numpy as np
 import pytest
@@ -22,22 +25,28 @@ pytestmark = pytest.mark.harness
 ROWS, BATCH, LR, EPOCHS = 480, 8, 0.01, 2  # 120 steps: on the full MNIST, level 4 meets a ReLU tie (step 58)
 
 
-class OffAtARow:
-    """Level 4, its update of fc2.bias off by 1e-3 at the steps whose batch starts at row ROW (steps 40 and 100 of
-    this run): a bug that a stretch in the middle of the run meets, made in a worker by this picklable factory."""
-
-    ROW = 320
+class Level4Except:
+    """Level 4 but for what a subclass changes; the instance made without parameters is the picklable factory that
+    makes one in a worker."""
 
     def __init__(self, params=None):
-        self.inner, self.off = (level(4).load()(params) if params is not None else None), False
+        self.inner = level(4).load()(params) if params is not None else None
 
     def __call__(self, params):
-        return OffAtARow(params)
+        return type(self)(params)
 
     def __getattr__(self, name):  # what it does not change, level 4's (not while unpickled: no inner yet)
         if name == "inner":
             raise AttributeError(name)
         return getattr(self.inner, name)
+
+
+class OffAtARow(Level4Except):
+    """Level 4, its update of fc2.bias off by 1e-3 at the steps whose batch starts at row ROW (steps 40 and 100 of
+    this run): a bug that a stretch in the middle of the run meets."""
+
+    ROW = 320
+    off = False
 
     def train_epoch(self, X, y, batch_size, lr, order=None):
         self.off = order is not None and order[0] == self.ROW
@@ -115,16 +124,17 @@ def test_a_failure_in_a_later_stretch_is_the_one_process_finds_and_ends_the_reco
     assert len(records["off"].used) == len(alone["off"].used) == OffAtARow.ROW // BATCH + 1
 
 
-# One batch, so one task: multiprocessing.Pool, stopped by an error while its task thread still writes a worker a
-# large task (level 1's state), can end its workers first and wait for ever (python/cpython#96995).
-ONE_BATCH = [np.arange(BATCH, dtype=np.int32)]
+def failing_lockstep(factories):
+    """parallel.lockstep over 80 rows: ten batches in six stretches, two workers, so that a failure finds tasks of level
+    1's state still queued for the workers (where multiprocessing.Pool could wait for ever, python/cpython#96995)."""
+    return parallel.lockstep(factories, init_params(0), compare.TrainingData(80, False),
+                             [np.arange(80, dtype=np.int32)], BATCH, LR, 2, get("mlp"))
 
 
 def test_a_worker_that_cannot_make_its_model_raises_instead_of_hanging():
     factories = {"bad": compare.Factory("mlp", "cpu", level=3, options=(("matmul", "loops"),))}
     with pytest.raises(TypeError, match="matmul"):
-        parallel.lockstep(factories, init_params(0), compare.TrainingData(BATCH, False), ONE_BATCH, BATCH, LR, 2,
-                          get("mlp"))
+        failing_lockstep(factories)
 
 
 def _refuse():
@@ -140,8 +150,41 @@ class Unpicklable:
 
 def test_a_worker_that_cannot_unpickle_its_factories_raises_instead_of_hanging():
     with pytest.raises(RuntimeError, match="could not start.*cannot be unpickled"):
-        parallel.lockstep({"bad": Unpicklable()}, init_params(0), compare.TrainingData(BATCH, False), ONE_BATCH, BATCH,
-                          LR, 2, get("mlp"))
+        failing_lockstep({"bad": Unpicklable()})
+
+
+def _exit(params):
+    os._exit(3)
+
+
+def test_a_worker_that_dies_fails_the_job_instead_of_hanging():
+    """A worker ended while it makes its model, as a crash in a level's native code ends it."""
+    with pytest.raises(BrokenProcessPool):
+        failing_lockstep({"dies": _exit})
+
+
+class FailsFirstStallsAfter(Level4Except):
+    """Level 4, but its first step fails (after a pause: the other worker has begun its stretch by then) and every
+    later step stalls for STALL_S."""
+
+    STALL_S = 300
+
+    def train_epoch(self, X, y, batch_size, lr, order=None):
+        if order[0] == 0:
+            time.sleep(2)
+            raise ValueError("a planted failure at the first step")
+        time.sleep(self.STALL_S)
+
+
+def test_a_failure_ends_the_other_workers_at_once_instead_of_waiting_for_their_stretches():
+    before = set(multiprocessing.active_children())
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="planted failure"):
+        failing_lockstep({"stalls": FailsFirstStallsAfter()})
+    assert time.monotonic() - started < FailsFirstStallsAfter.STALL_S / 5
+    for worker in set(multiprocessing.active_children()) - before:
+        worker.join(60)  # ending a worker that loaded torch takes up to a second or so on a busy machine
+        assert not worker.is_alive(), "a lockstep worker outlived the job"
 
 
 def test_the_stretches_cover_every_step_once():

@@ -20,9 +20,9 @@ made in one process: the same steps, each checked once.
 from __future__ import annotations
 
 import multiprocessing
-import multiprocessing.pool
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 
 import numpy as np
@@ -55,11 +55,10 @@ def lockstep(factories: dict[str, Callable], params: dict[str, np.ndarray], data
     batches = [order[start: start + batch] for order in orders for start in range(0, len(order), batch)]
     starts = stretches(len(batches), jobs * STRETCHES_PER_JOB)
     tasks = stretch_tasks(starts, list(factories), compiling)
-    # What starts a worker is written to it before the pool returns: kept small (no parameters), or the parent would
-    # wait for every worker's start in turn. Each task brings level 1's state, through the pool's queue.
-    with single_threaded(), multiprocessing.pool.Pool(
-            jobs, _start, (pickle.dumps((factories, data)), network.name, optimizer.name), context=_SPAWN_PARENTS) as pool:
-        extra = [pool.apply_async(job) for job in also]  # the longest jobs: each a whole free run
+    # What starts a worker is written to it as it is spawned: kept small (no parameters), or the parent would wait for
+    # every worker's start in turn. Each task brings level 1's state, through the pool's queue.
+    with single_threaded(), worker_pool(jobs, (pickle.dumps((factories, data)), network.name, optimizer.name)) as pool:
+        extra = [pool.submit(job) for job in also]  # the longest jobs: each a whole free run
         pending, diverged = [], None
         with clock("lockstep: level 1 alone, its state at each stretch"):
             for (first, end), state in zip(starts, level1_states(params, X, y, batches, lr, network, optimizer,
@@ -68,12 +67,10 @@ def lockstep(factories: dict[str, Callable], params: dict[str, np.ndarray], data
                     diverged = state
                     break
                 for task_end, labels in tasks[first]:
-                    pending.append(pool.apply_async(_check, (first, state, batches[first:task_end], lr, labels)))
+                    pending.append(pool.submit(_check, first, state, batches[first:task_end], lr, labels))
         with clock(f"lockstep: every level, in {jobs} processes"):
-            stretch_results = [result.get() for result in pending]
-            also_results = [result.get() for result in extra]
-            pool.close()
-            pool.join()
+            stretch_results = [future.result() for future in pending]
+            also_results = [future.result() for future in extra]
     stretch_results.sort(key=lambda result: result[0])  # in step order
     records = join([records for _, records, _, _ in stretch_results], list(factories), network, optimizer)
     for _, _, seconds, _ in stretch_results:
@@ -82,24 +79,34 @@ def lockstep(factories: dict[str, Callable], params: dict[str, np.ndarray], data
     return records, diverged, also_results
 
 
-class _ParentProcess(multiprocessing.context.SpawnProcess):
-    """A pool's worker that may start processes of its own (level 9's model starts its ranks): multiprocessing.Pool
-    makes its workers daemonic, and a daemonic process may have no children. The pool still ends its workers."""
+@contextmanager
+def worker_pool(jobs: int, start: tuple) -> Iterator[ProcessPoolExecutor]:
+    """`jobs` worker processes, each started by _start(*start): spawned, never forked (the parent may hold threads).
+    concurrent.futures' pool, not multiprocessing.Pool: stopped by an error, that one can end its workers while its
+    task thread still writes them a task of level 1's state, and wait for ever (python/cpython#96995); and it waits
+    for ever on a task whose worker died. Here a worker that dies (a crash in a level's native code) fails the job
+    with BrokenProcessPool. Its workers may start processes of their own (level 9's model starts its ranks). Left by an
+    error or Ctrl-C, it ends its workers at once instead of letting them finish their stretches."""
+    pool = ProcessPoolExecutor(jobs, multiprocessing.get_context("spawn"), initializer=_start, initargs=start)
+    try:
+        yield pool
+    except BaseException:
+        end_now(pool)
+        raise
+    pool.shutdown()
 
-    @property
-    def daemon(self) -> bool:
-        return False
 
-    @daemon.setter
-    def daemon(self, value: bool) -> None:
-        pass
-
-
-class _SpawnParents(multiprocessing.context.SpawnContext):
-    Process = _ParentProcess
-
-
-_SPAWN_PARENTS = _SpawnParents()
+def end_now(pool: ProcessPoolExecutor) -> None:
+    """Cancel the tasks not started and end the workers: Python 3.14's pool.terminate_workers(), done as it does it
+    where it is missing (its list of workers is private before 3.14)."""
+    if hasattr(pool, "terminate_workers"):
+        pool.terminate_workers()
+        return
+    workers = list((pool._processes or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for worker in workers:
+        if worker.is_alive():
+            worker.terminate()
 
 
 def stretches(steps: int, count: int) -> list[tuple[int, int]]:
@@ -170,8 +177,8 @@ def single_threaded():
 
 def _start(made: bytes, network: str, optimizer: str) -> None:
     """A worker's start: the data set; the models are made at its first stretch, from the parameters it brings. `made`
-    is the pickled (factories, data): unpickled here, where an error is kept for that stretch to raise; raised here,
-    or while the pool unpickles its arguments, it would make the pool start the worker again, and again."""
+    is the pickled (factories, data): unpickled here, where an error is kept for that stretch to raise (raised here,
+    it would break the pool, whose error would not say why)."""
     from common.nets import get, optimizers
 
     try:
