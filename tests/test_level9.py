@@ -3,7 +3,8 @@
 Two workers in lockstep with level 1's single-process step on real digits (and the gold standard beside them,
 PyTorch's DistributedDataParallel on the same process group), the replicas bit for bit the same after
 an epoch, each classic data-parallel bug planted and caught, and a clean end: a dead worker or bad input is a clear
-Python exception, and no worker outlives its model.
+Python exception, and no worker outlives its model. Then the timers of chapter 9's last section: the all-reduce's
+(gloo here, NCCL on two GPUs) and the step's on one GPU and two (common/harness/scaling.py), each saying what ran.
 """
 
 from __future__ import annotations
@@ -11,12 +12,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from common.harness import verify
+from common.harness import scaling, verify
 from common.harness.compare import epoch_order
 from common.nets.mlp import PARAM_NAMES, init_params
 from level3_numpy import MLP as Level3
-from level9_data_parallel import DDP, MLP
-from level9_data_parallel.mlp import BUGS, WorkerError
+from level9_data_parallel import DDP, MLP, allreduce
+from level9_data_parallel.mlp import BUGS, WORLD, WorkerError
 
 pytestmark = pytest.mark.level9
 
@@ -116,3 +117,51 @@ def test_bad_input_is_a_clear_exception_and_the_workers_carry_on(mnist):
         with pytest.raises(ValueError, match="shape"):
             model.load_state_dict(init_params(0, 17) | {"fc1.bias": np.zeros(16, np.float32)})
         assert np.isfinite(model.train_epoch(mnist[0][:64], mnist[1][:64], 8, 0.1)).all()
+
+
+def test_the_allreduce_timer_says_what_ran_and_refuses_an_unknown_backend():
+    times, ran = allreduce.measure([4 << 10, 64 << 10], repeats=3)
+    assert list(times) == [4 << 10, 64 << 10] and all(0 < t < 10 for t in times.values())
+    assert ran == {"backend": "gloo", "world": WORLD, "repeats": 3, "device": "cpu"}
+    with pytest.raises(ValueError, match="backend 'mpi'"):
+        allreduce.measure([4 << 10], backend="mpi")
+
+
+def test_the_cost_model_fits_a_line_it_was_made_from():
+    latency, bandwidth = 30e-6, 200e9
+    times = {size: latency + size / bandwidth for size in allreduce.SIZES}
+    assert np.allclose(allreduce.fit(times), (latency, bandwidth), rtol=1e-9)
+
+
+def two_gpus() -> None:
+    """Skip a test of NCCL unless this machine has two GPUs (even under --require-gpu: one GPU cannot run it)."""
+    import torch
+
+    if torch.cuda.device_count() < WORLD:
+        pytest.skip(f"NCCL over {WORLD} GPUs: this machine has {torch.cuda.device_count()}")
+
+
+@pytest.mark.gpu
+def test_nccl_allreduce_on_two_gpus_says_what_ran():
+    two_gpus()
+    import torch
+
+    times, ran = allreduce.measure([4 << 10, 4 << 20], repeats=5, backend="nccl")
+    assert ran["backend"] == "nccl" and ran["world"] == WORLD and ran["device"] == torch.cuda.get_device_name(0)
+    assert times[4 << 20] > 0 and ran["nccl"].count(".") == 2
+
+
+@pytest.mark.gpu
+def test_ddp_step_times_on_one_and_two_gpus_say_what_ran():
+    two_gpus()
+    for world in (1, WORLD):
+        rows, ran = scaling.step_times([(64, 32)], world)
+        assert len(rows[(64, 32)]) == scaling.ROUNDS and min(rows[(64, 32)]) > 0
+        assert ran["world"] == world and ran["ddp"] == (world > 1) and ran["tf32"] is False
+
+
+def test_step_times_refuse_more_gpus_than_the_machine_has():
+    import torch
+
+    with pytest.raises(RuntimeError, match=f"{torch.cuda.device_count() + 1} GPUs asked for"):
+        scaling.step_times([(64, 32)], torch.cuda.device_count() + 1)

@@ -1,0 +1,121 @@
+"""When two GPUs pay: the MLP's training step timed on one GPU and on two, for the gold standard (PyTorch's DDP).
+
+    rows, ran = step_times([(256, 8), (1024, 256), (4096, 4096)], world=2)   # (hidden, batch) -> seconds per step
+
+One GPU runs level 1's network plainly (world 1: no DDP, what a user with one GPU writes); two run it wrapped in
+DistributedDataParallel, each rank on its half of every batch, NCCL summing the gradients in buckets while backward()
+still runs. Full float32 (TF32 off), eager, SGD, real MNIST rows on the GPU. Each size is timed ROUNDS times over
+STEPS steps after WARMUP, every rank starting together; rank 0 reports each round's seconds per step.
+
+Run on two GPUs: `python -m common.harness.scaling` writes results/<gpu>x2/scaling.json.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from level9_data_parallel.allreduce import on_ranks, what_ran
+from level9_data_parallel.mlp import WORLD
+
+# (hidden, batch): the chapter's run, then larger, until two GPUs pay
+SIZES = [(256, 8), (1024, 256), (1024, 1024), (4096, 1024), (4096, 4096), (4096, 8192), (4096, 16384), (8192, 16384)]
+WARMUP, STEPS, ROUNDS = 20, 100, 5
+UNSTEADY = 1.2  # rounds further apart than this are flagged, and their median not published
+
+
+def _time(rank: int, world: int, store: str, out, sizes: list[tuple[int, int]]) -> None:
+    """One rank: each size's seconds per step in every round, sent to `out` by rank 0 with what ran."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel
+
+    from common.harness.data import load_mnist, normalize
+    from level1_pytorch.mlp import Net
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    torch.backends.cuda.matmul.allow_tf32 = False  # full float32, as every level
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        mnist = load_mnist(quiet=True)
+        X = torch.from_numpy(normalize(mnist.train_images)).to(device)
+        y = torch.from_numpy(mnist.train_labels.astype(np.int64)).to(device)
+        rows = {}
+        for hidden, batch in sizes:
+            torch.manual_seed(0)  # the same initial weights on every rank; DDP broadcasts rank 0's anyway
+            net = Net(hidden).to(device)
+            model = DistributedDataParallel(net, device_ids=[rank]) if world > 1 else net
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+            share = batch // world
+
+            def step(i: int) -> None:
+                first = (i * batch) % (len(X) - batch) + rank * share  # this rank's share of batch i
+                optimizer.zero_grad(set_to_none=True)
+                F.cross_entropy(model(X[first : first + share]), y[first : first + share]).backward()
+                optimizer.step()
+
+            for i in range(WARMUP):
+                step(i)
+            rounds = []
+            for _ in range(ROUNDS):
+                torch.cuda.synchronize()
+                dist.barrier()  # every rank starts the round together
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                for i in range(STEPS):
+                    step(i)
+                torch.cuda.synchronize()
+                rounds.append((time.perf_counter() - start) / STEPS)
+            rows[(hidden, batch)] = rounds
+        if rank == 0:
+            out.send((rows, what_ran(dist, device, steps=STEPS, rounds=ROUNDS, ddp=world > 1,
+                                     tf32=torch.backends.cuda.matmul.allow_tf32)))
+    finally:
+        dist.destroy_process_group()
+
+
+def step_times(sizes: list[tuple[int, int]], world: int) -> tuple[dict[tuple[int, int], list[float]], dict]:
+    """(hidden, batch) -> each round's seconds per step on `world` GPUs, and what ran (allreduce.what_ran)."""
+    import torch
+
+    if torch.cuda.device_count() < world:
+        raise RuntimeError(f"{world} GPUs asked for, {torch.cuda.device_count()} seen")
+    return on_ranks(_time, world, sizes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Time SIZES on one GPU and on WORLD, print the table and write it to results/."""
+    import argparse
+    import json
+
+    from common.levels import ROOT, gpu_tag
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, default=None, help="default: results/<gpu>x2/scaling.json")
+    args = p.parse_args(argv)
+    one, ran_one = step_times(SIZES, 1)
+    two, ran_two = step_times(SIZES, WORLD)
+    table = []
+    print(f"{'hidden':>7} {'batch':>6} {'1 GPU us/step':>14} {f'{WORLD} GPUs (DDP)':>15} {'speedup':>8}")
+    for size in SIZES:
+        spread = [max(r) / min(r) for r in (one[size], two[size])]
+        steady = all(s <= UNSTEADY for s in spread)
+        t1, t2 = float(np.median(one[size])), float(np.median(two[size]))
+        table.append({"hidden": size[0], "batch": size[1], "rounds_1": one[size], "rounds_2": two[size],
+                      "us_1": t1 * 1e6, "us_2": t2 * 1e6, "steady": steady})
+        shown = f"{t1 * 1e6:14.1f} {t2 * 1e6:15.1f} {t1 / t2:7.2f}x" if steady else "unsteady: rounds >1.2x apart"
+        print(f"{size[0]:>7} {size[1]:>6} {shown}")
+    out = args.out or ROOT / "results" / f"{gpu_tag(ran_two['device'])}x{ran_two['world']}" / "scaling.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"ran_1": ran_one, "ran_2": ran_two, "table": table}, indent=1) + "\n")
+    print(f"1 GPU: {ran_one}\n{WORLD} GPUs: {ran_two}\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
