@@ -18,6 +18,8 @@ What it records, each into a text file the level 5 chapter shows (the last one, 
   framework_timeline.txt   one training step of level 8 on the GPU (op by op, and replayed as a CUDA graph), of level
                    6 (the same kernels called by hand) and of PyTorch eager, as timelines of GPU work (level 8's
                    chapter).
+  conv1_wgrad.json LeNet-5's conv1 weight gradient at batches 16 to 256: its distance from float64 on the CPU and on
+                   the GPU (level 1's deterministic mode, the peers' benchmark mode) and cuDNN's kernels (chapter 7b).
 The bugs are planted in scratch copies of the repository (tests/plant_bugs.py's scratch_copy); nothing here changes
 the working tree. sources.json records the sources each capture quotes (common.book.make.write_capture), so the chapter that
 shows them is stale once one of those changes.
@@ -237,7 +239,70 @@ def capture_ceilings(folder: Path) -> None:
     (folder / "ceilings.json").write_text(json.dumps(ceilings, indent=1) + "\n")
 
 
-CAPTURES = {"ceilings": capture_ceilings, "timeline": capture_timeline,
+WGRAD_BATCHES = (16, 32, 64, 128, 256)
+
+
+def capture_conv1_wgrad(folder: Path) -> None:
+    """LeNet-5's conv1 weight gradient on the first images of MNIST at each of WGRAD_BATCHES: how far from float64 it
+    lands on the CPU in float32 and on the GPU, in level 1's deterministic mode and in the peers' (cuDNN's benchmark
+    mode), and which kernels computed it there (torch.profiler). Chapter 7b reads conv1_wgrad.json."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+    from torch.profiler import ProfilerActivity, profile
+
+    from common.harness.data import load_mnist, normalize
+    from common.nets import lenet
+    from level1_pytorch.lenet import Net
+    from level1_pytorch.peers import plain_pytorch
+
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    mnist = load_mnist(quiet=True)
+    net = Net().double()
+    net.load_state_dict({name: torch.from_numpy(p) for name, p in lenet.init_params(0).items()})
+    shape = net.conv1.weight.shape
+
+    def wgrad(x, g):
+        return torch.nn.grad.conv2d_weight(x, shape, g)  # cuDNN's backward-filter on the GPU
+
+    def on_gpu(x, g) -> tuple[float, list[str]]:
+        x, g = x.float().cuda(), g.float().cuda()
+        wgrad(x, g)  # the first call picks the algorithm (benchmark mode times several)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            w = wgrad(x, g)
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if e.device_type.name == "CUDA" and "memset" not in e.name.lower()]
+        # a kernel's name without its return type ("void ", "std::enable_if<...>::type "), template and arguments
+        kernels = sorted({re.split(r"[(<]", name.removeprefix("void ").split("::type ")[-1])[0] for name in names})
+        return w.double().cpu(), kernels
+
+    rows = []
+    for batch in WGRAD_BATCHES:
+        x = torch.from_numpy(normalize(mnist.train_images[:batch]).copy()).double()
+        y = torch.from_numpy(mnist.train_labels[:batch].astype(np.int64))
+        keep = {}
+        loss = F.cross_entropy(net(x, keep), y)
+        g = torch.autograd.grad(loss, keep["conv1"])[0]  # the gradient reaching conv1's output, in float64
+        x = x.reshape(-1, 1, lenet.IMAGE, lenet.IMAGE)
+        exact = wgrad(x, g)
+        row = {"batch": batch, "largest": float(exact.abs().max()),
+               "cpu_float32": float((wgrad(x.float(), g.float()).double() - exact).abs().max())}
+        torch.use_deterministic_algorithms(True)  # level 1's mode on the GPU
+        w, row["deterministic_kernels"] = on_gpu(x, g)
+        row["deterministic"] = float((w - exact).abs().max())
+        torch.use_deterministic_algorithms(False)
+        with plain_pytorch():
+            w, row["benchmark_kernels"] = on_gpu(x, g)
+        row["benchmark"] = float((w - exact).abs().max())
+        rows.append(row)
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
+              "how": "conv1's weight gradient of LeNet-5 (common/nets/lenet.py's initial weights, seed 0) on the "
+                     "first `batch` training images, the gradient at conv1's output from float64; errors: the largest "
+                     "absolute difference from the float64 result", "rows": rows}
+    (folder / "conv1_wgrad.json").write_text(json.dumps(result, indent=1) + "\n")
+
+
+CAPTURES = {"ceilings": capture_ceilings, "conv1_wgrad": capture_conv1_wgrad, "timeline": capture_timeline,
             "framework_timeline": capture_framework_timeline, "ncu": capture_ncu, "sanitizers": capture_sanitizers,
             "async_error": capture_async_error}
 

@@ -1,6 +1,6 @@
 """make bench: every level's speed at the chapter's settings and at larger ones, each level verified before it is timed.
 
-    python -m common.harness.bench [--tag h200] [--presets chapter,large-b256,lenet,lenet-b256]
+    python -m common.harness.bench [--tag h200] [--presets chapter,large-b256,lenet,lenet-b64,lenet-b256]
     python -m common.harness.bench --presets none    # only the GPU profile (--no-profile: the presets only)
     python -m common.harness.bench --report          # only rewrite results/README.md's tables and results/speed.png
     python -m common.harness.bench --quick           # every preset small, one round: a change checked in minutes
@@ -10,7 +10,9 @@ Each preset is one run of the compare harness (common.harness.compare), so every
 level 1 step by step before its time counts, and every row is timed ROUNDS times, in rounds over the rows (a row whose
 rounds disagree is flagged, not published); results go to results/<tag>/<preset>/. On a GPU it
 also profiles one epoch of every GPU implementation to split a step into kernel time and the rest
-(launch overhead and gaps between kernels), written to results/<tag>/profile.json.
+(launch overhead and gaps between kernels), written to results/<tag>/profile.json. On a machine with two GPUs it
+then times NCCL's all-reduce and the MLP's step on one GPU and in DDP on two (level9_data_parallel/allreduce.py,
+common/harness/scaling.py), written to results/<tag>x2/.
 On a GPU machine the presets time the rows on the GPU (and level 1 on the CPU, the reference): the CPU levels' tables
 come from a CPU machine. The lockstep runs in one process per core (common/harness/parallel.py); each preset prints
 where its time went, and the bench each preset's total at the end. --quick writes to results/<tag>-quick/, which is
@@ -44,6 +46,8 @@ PRESETS = {
     "large-b256": ["--train-size", "60000", "--hidden", "1024", "--batch", "256", "--epochs", "3"],
     "lenet": ["--model", "lenet"],  # LeNet-5's chapter run (common/nets)
     # LeNet-5 at a larger batch, where the libraries' kernels have work: the GPU levels against the peers
+    "lenet-b64": ["--model", "lenet", "--levels", "1,5,6,7,8", "--train-size", "5120", "--batch", "64",
+                  "--epochs", "3"],
     "lenet-b256": ["--model", "lenet", "--levels", "1,5,6,7,8", "--train-size", "5120", "--batch", "256",
                    "--epochs", "3"],
 }
@@ -52,9 +56,10 @@ ROUNDS = 3  # each row timed three times: its median, its range, and a flag wher
 QUICK = {"chapter": ["--train-size", "2000", "--epochs", "1"],
          "large-b256": ["--train-size", "5120", "--epochs", "1"],
          "lenet": ["--train-size", "1600", "--epochs", "1"],
+         "lenet-b64": ["--train-size", "1024", "--epochs", "1"],
          "lenet-b256": ["--train-size", "1024", "--epochs", "1"]}
 QUICK_PROFILE_STEPS = 100
-GPU_ONLY = {"lenet-b256"}  # presets of GPU levels alone: left out where no GPU is
+GPU_ONLY = {"lenet-b64", "lenet-b256"}  # presets of GPU levels alone: left out where no GPU is
 RESULTS = ROOT / "results"
 TABLES = RESULTS / "README.md"  # its block of tables is written here; the README shows SPEED
 SPEED = RESULTS / "speed.png"
@@ -187,6 +192,12 @@ def report() -> None:
                 failures = "".join(f"\n\n{row['level']} FAILED: {row['failure']}" for row in results["table"]
                                    if not row["agrees"])
                 blocks.append(f"`{tag_dir.name}/{preset}/`\n\n" + markdown_table(results) + failures)
+        if (scaled := tag_dir / "scaling.json").exists():  # a machine of two GPUs (--two-gpus)
+            from common.harness import scaling
+
+            allreduce = tag_dir / "allreduce.json"
+            blocks.append(f"`{tag_dir.name}/scaling.json`\n\n" + scaling.markdown(
+                json.loads(scaled.read_text()), json.loads(allreduce.read_text()) if allreduce.exists() else None))
         profile_path = tag_dir / "profile.json"
         if profile_path.exists():
             title = f"`{tag_dir.name}/profile.json` - where a GPU step's time goes (one epoch under torch.profiler)"
@@ -240,6 +251,26 @@ def speed_figure(tag_dir) -> bool:
     return True
 
 
+def time_two_gpus(tag: str, clock: Phases) -> int:
+    """On a machine with level 9's WORLD GPUs: NCCL's all-reduce and the MLP's step on one GPU and on WORLD, into
+    results/<tag>x2/; nothing elsewhere. Imported here, so that what imports bench does not import level 9."""
+    from common.harness import scaling
+    from level9_data_parallel import allreduce
+    from level9_data_parallel.mlp import WORLD
+
+    if not gpu_available():
+        return 0
+    import torch
+
+    if torch.cuda.device_count() < WORLD:
+        return 0
+    print(f"\n=== {WORLD} GPUs: NCCL's all-reduce, and the step on one GPU and on {WORLD} ===", flush=True)
+    folder = RESULTS / f"{tag}x{WORLD}"
+    with clock(f"{WORLD} GPUs"):
+        return allreduce.main(["--backend", "nccl", "--out", str(folder / "allreduce.json")]) | scaling.main(
+            ["--out", str(folder / "scaling.json")])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tag", default=None, help="results/<tag>/ (default: the GPU's model, h100 or h200, or cpu)")
@@ -251,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=None, help="processes for the lockstep (default: one per core)")
     p.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                    help="on a GPU, also profile each GPU implementation's step (results/<tag>/profile.json)")
+    p.add_argument("--two-gpus", action=argparse.BooleanOptionalAction, default=True,
+                   help="on a machine with two GPUs, also time NCCL's all-reduce and the MLP's step on one GPU and in "
+                   "DDP on two (results/<tag>x2/)")
     p.add_argument("--quick", action="store_true", help="every preset small and timed once, into results/<tag>-quick/ "
                    "(a developer's check of a change, not for publishing)")
     p.add_argument("--resume", action="store_true", help="keep the rounds a stopped run already timed "
@@ -280,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\n=== where a GPU step's time goes ===", flush=True)
         profile = profile_gpu(QUICK_PROFILE_STEPS if args.quick else 400, clock)
         (RESULTS / tag / "profile.json").write_text(json.dumps(profile, indent=1))
+    if args.two_gpus and not args.quick:
+        status |= time_two_gpus(args.tag, clock)
     print("\n" + clock.table(time.perf_counter() - started, f"make bench: {time.perf_counter() - started:.0f} s",
                               rest="the rest"))
     return status

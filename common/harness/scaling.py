@@ -43,7 +43,7 @@ def _time(rank: int, world: int, store: str, out, sizes: list[tuple[int, int]]) 
     dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         mnist = load_mnist(quiet=True)
-        X = torch.from_numpy(normalize(mnist.train_images)).to(device)
+        X = torch.from_numpy(normalize(mnist.train_images).copy()).to(device)
         y = torch.from_numpy(mnist.train_labels.astype(np.int64)).to(device)
         rows = {}
         for hidden, batch in sizes:
@@ -86,6 +86,36 @@ def step_times(sizes: list[tuple[int, int]], world: int) -> tuple[dict[tuple[int
     if torch.cuda.device_count() < world:
         raise RuntimeError(f"{world} GPUs asked for, {torch.cuda.device_count()} seen")
     return on_ranks(_time, world, sizes)
+
+
+def markdown(scaled: dict, allreduce: dict | None = None) -> str:
+    """results/README.md's table of a scaling.json (medians with their rounds' range; an unsteady row flagged, not
+    printed), and the all-reduce's fitted cost from the allreduce.json beside it."""
+    one, two = scaled["ran_1"], scaled["ran_2"]
+    tf32 = "on" if two["tf32"] else "off"
+    lines = [f"**The MLP's step on one GPU and on {two['world']} in DDP** - {two['device']}, NCCL {two['nccl']}, "
+             f"{two['rounds']} rounds of {two['steps']} steps each, full float32 (TF32 {tf32}), eager; one GPU "
+             "without DDP. us/step: the rounds' median (range).", "",
+             f"| hidden | batch | 1 GPU | {two['world']} GPUs, DDP | speedup |", "|---:|---:|---:|---:|---:|"]
+    for row in scaled["table"]:
+        if not row["steady"]:
+            lines.append(f"| {row['hidden']:,} | {row['batch']:,} | unsteady: rounds more than {UNSTEADY}x apart, "
+                         "not published | | |")
+            continue
+        cells = [f"{row[f'us_{n}']:,.1f} ({min(row[f'rounds_{n}']) * 1e6:,.1f}-{max(row[f'rounds_{n}']) * 1e6:,.1f})"
+                 for n in (1, 2)]
+        lines.append(f"| {row['hidden']:,} | {row['batch']:,} | {cells[0]} | {cells[1]} | "
+                     f"{row['us_1'] / row['us_2']:.2f}x |")
+    if allreduce:
+        ran = allreduce["ran"]
+        lines += ["", f"NCCL's all-reduce over {ran['world']} x {ran['device']} (median of {ran['repeats']}): "
+                  + ", ".join(f"{int(size) / 1024:,.0f} KB {seconds * 1e6:,.1f} us"
+                              for size, seconds in allreduce["seconds"].items())
+                  + f"; fitted latency {allreduce['latency_s'] * 1e6:.1f} us, bandwidth "
+                  f"{allreduce['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s."]
+    if one["device"] != two["device"]:
+        lines += ["", f"**One GPU was a {one['device']}, not a {two['device']}**: the speedups compare different GPUs."]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
