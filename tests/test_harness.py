@@ -476,3 +476,24 @@ def test_the_slowest_first_are_tests_that_exist():
     defined = {name for path in (ROOT / "tests").glob("test_*.py")
                for name in re.findall(r"^def (test_\w+)\(", path.read_text(), re.MULTILINE)}
     assert set(SLOWEST_FIRST) <= defined, sorted(set(SLOWEST_FIRST) - defined)
+
+
+def test_bench_times_two_gpus_only_where_there_are_two(monkeypatch, capsys):
+    import torch
+
+    from common.harness import scaling
+    from common.harness.phases import Phases
+    from level9_data_parallel import allreduce
+
+    asked = []
+    monkeypatch.setattr(allreduce, "main", lambda argv: asked.append(("allreduce", argv)) or 0)
+    monkeypatch.setattr(scaling, "main", lambda argv: asked.append(("scaling", argv)) or 0)
+    monkeypatch.setattr(bench, "gpu_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert bench.time_two_gpus("h200", Phases()) == 0 and asked == []  # one GPU: nothing timed, nothing said
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert bench.time_two_gpus("h200", Phases()) == 0
+    folder = bench.RESULTS / "h200x2"
+    assert asked == [("allreduce", ["--backend", "nccl", "--out", str(folder / "allreduce.json")]),
+                     ("scaling", ["--out", str(folder / "scaling.json")])]
+    assert "2 GPUs" in capsys.readouterr().out

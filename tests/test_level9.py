@@ -165,3 +165,24 @@ def test_step_times_refuse_more_gpus_than_the_machine_has():
 
     with pytest.raises(RuntimeError, match=f"{torch.cuda.device_count() + 1} GPUs asked for"):
         scaling.step_times([(64, 32)], torch.cuda.device_count() + 1)
+
+
+def scaling_row(hidden: int, batch: int, one: list[float], two: list[float]) -> dict:
+    """A row of scaling.json, as common/harness/scaling.py writes it."""
+    steady = max(one) / min(one) <= scaling.UNSTEADY and max(two) / min(two) <= scaling.UNSTEADY
+    return {"hidden": hidden, "batch": batch, "rounds_1": one, "rounds_2": two, "us_1": float(np.median(one)) * 1e6,
+            "us_2": float(np.median(two)) * 1e6, "steady": steady}
+
+
+def test_the_scaling_table_publishes_medians_with_their_range_and_flags_unsteady_rows():
+    ran = {"backend": "nccl", "world": 2, "steps": 100, "rounds": 3, "ddp": True, "tf32": False, "device": "GPU A",
+           "nccl": "2.28.9"}
+    scaled = {"ran_1": ran | {"world": 1, "ddp": False}, "ran_2": ran,
+              "table": [scaling_row(256, 8, [1e-3, 1.1e-3, 1.05e-3], [2e-3, 2.1e-3, 2e-3]),
+                        scaling_row(4096, 16384, [5e-3, 5e-3, 9e-3], [2.9e-3, 2.9e-3, 2.9e-3])]}
+    table = scaling.markdown(scaled)
+    assert "| 256 | 8 | 1,050.0 (1,000.0-1,100.0) | 2,000.0 (2,000.0-2,100.0) | 0.53x |" in table
+    assert "| 4,096 | 16,384 | unsteady" in table and "5,000" not in table  # the unsteady row's times stay out
+    assert "TF32 off" in table and "GPU A" in table and "not a" not in table
+    other = scaling.markdown(scaled | {"ran_1": scaled["ran_1"] | {"device": "GPU B"}})
+    assert "One GPU was a GPU B, not a GPU A" in other
