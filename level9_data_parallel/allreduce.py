@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from level9_data_parallel.mlp import WORLD, _one_thread
+from level9_data_parallel.mlp import TIMEOUT, WORLD, _one_thread
 
 REPEATS = 25
 
@@ -35,7 +35,7 @@ def _time(rank: int, world: int, store: str, out, sizes: list[int], repeats: int
     device = torch.device("cuda", rank) if on_gpu else torch.device("cpu")
     if on_gpu:
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world, timeout=TIMEOUT)
     try:
         medians = {}
         for size in sizes:
@@ -82,6 +82,9 @@ def on_ranks(target, world: int, *args):
             proc.start()
         theirs.close()
         try:
+            while not ours.poll(1):  # a rank that fails ends; one that waits for a dead rank ends at TIMEOUT
+                if not any(proc.is_alive() for proc in procs):
+                    break
             return ours.recv()
         except EOFError:
             raise RuntimeError(f"the {world} processes of {target.__name__} ended before they reported") from None

@@ -186,3 +186,14 @@ def test_the_scaling_table_publishes_medians_with_their_range_and_flags_unsteady
     assert "TF32 off" in table and "GPU A" in table and "not a" not in table
     other = scaling.markdown(scaled | {"ran_1": scaled["ran_1"] | {"device": "GPU B"}})
     assert "One GPU was a GPU B, not a GPU A" in other
+
+
+def rank_that_fails(rank: int, world: int, store: str, out) -> None:
+    """A target for on_ranks whose rank 0 fails before it reports."""
+    if rank == 0:
+        raise SystemExit(3)
+
+
+def test_ranks_that_end_without_a_report_are_an_exception_not_a_hang():
+    with pytest.raises(RuntimeError, match="ended before they reported"):
+        allreduce.on_ranks(rank_that_fails, WORLD)

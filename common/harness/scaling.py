@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from level9_data_parallel.allreduce import on_ranks, what_ran
-from level9_data_parallel.mlp import WORLD
+from level9_data_parallel.mlp import TIMEOUT, WORLD
 
 # (hidden, batch): the chapter's run, then larger, until two GPUs pay
 SIZES = [(256, 8), (1024, 256), (1024, 1024), (4096, 1024), (4096, 4096), (4096, 8192), (4096, 16384), (8192, 16384)]
@@ -40,7 +40,7 @@ def _time(rank: int, world: int, store: str, out, sizes: list[tuple[int, int]]) 
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     torch.backends.cuda.matmul.allow_tf32 = False  # full float32, as every level
-    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world)
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world, timeout=TIMEOUT)
     try:
         mnist = load_mnist(quiet=True)
         X = torch.from_numpy(normalize(mnist.train_images).copy()).to(device)
