@@ -9,11 +9,14 @@ Python exception, and no worker outlives its model. Then the timers of chapter 9
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 from common.harness import scaling, verify
 from common.harness.compare import epoch_order
+from common.levels import ROOT
 from common.nets.mlp import PARAM_NAMES, init_params
 from level3_numpy import MLP as Level3
 from level9_data_parallel import DDP, MLP, allreduce
@@ -167,19 +170,12 @@ def test_step_times_refuse_more_gpus_than_the_machine_has():
         scaling.step_times([(64, 32)], torch.cuda.device_count() + 1)
 
 
-def scaling_row(hidden: int, batch: int, one: list[float], two: list[float]) -> dict:
-    """A row of scaling.json, as common/harness/scaling.py writes it."""
-    steady = max(one) / min(one) <= scaling.UNSTEADY and max(two) / min(two) <= scaling.UNSTEADY
-    return {"hidden": hidden, "batch": batch, "rounds_1": one, "rounds_2": two, "us_1": float(np.median(one)) * 1e6,
-            "us_2": float(np.median(two)) * 1e6, "steady": steady}
-
-
 def test_the_scaling_table_publishes_medians_with_their_range_and_flags_unsteady_rows():
     ran = {"backend": "nccl", "world": 2, "steps": 100, "rounds": 3, "ddp": True, "tf32": False, "device": "GPU A",
            "nccl": "2.28.9"}
     scaled = {"ran_1": ran | {"world": 1, "ddp": False}, "ran_2": ran,
-              "table": [scaling_row(256, 8, [1e-3, 1.1e-3, 1.05e-3], [2e-3, 2.1e-3, 2e-3]),
-                        scaling_row(4096, 16384, [5e-3, 5e-3, 9e-3], [2.9e-3, 2.9e-3, 2.9e-3])]}
+              "table": [scaling.table_row(256, 8, [1e-3, 1.1e-3, 1.05e-3], [2e-3, 2.1e-3, 2e-3]),
+                        scaling.table_row(4096, 16384, [5e-3, 5e-3, 9e-3], [2.9e-3, 2.9e-3, 2.9e-3])]}
     table = scaling.markdown(scaled)
     assert "| 256 | 8 | 1,050.0 (1,000.0-1,100.0) | 2,000.0 (2,000.0-2,100.0) | 0.53x |" in table
     assert "| 4,096 | 16,384 | unsteady" in table and "5,000" not in table  # the unsteady row's times stay out
@@ -197,3 +193,9 @@ def rank_that_fails(rank: int, world: int, store: str, out) -> None:
 def test_ranks_that_end_without_a_report_are_an_exception_not_a_hang():
     with pytest.raises(RuntimeError, match="ended before they reported"):
         allreduce.on_ranks(rank_that_fails, WORLD)
+
+
+def test_the_committed_scaling_rows_are_what_their_rounds_give():
+    for path in ROOT.glob("results/*x2/scaling.json"):
+        for row in json.loads(path.read_text())["table"]:
+            assert scaling.table_row(row["hidden"], row["batch"], row["rounds_1"], row["rounds_2"]) == row, path

@@ -88,6 +88,14 @@ def step_times(sizes: list[tuple[int, int]], world: int) -> tuple[dict[tuple[int
     return on_ranks(_time, world, sizes)
 
 
+def table_row(hidden: int, batch: int, rounds_1: list[float], rounds_2: list[float]) -> dict:
+    """A row of scaling.json: each round's seconds per step on one GPU and on WORLD, their medians in us, and whether
+    both sets of rounds are steady (within UNSTEADY)."""
+    steady = all(max(rounds) / min(rounds) <= UNSTEADY for rounds in (rounds_1, rounds_2))
+    return {"hidden": hidden, "batch": batch, "rounds_1": rounds_1, "rounds_2": rounds_2,
+            "us_1": float(np.median(rounds_1)) * 1e6, "us_2": float(np.median(rounds_2)) * 1e6, "steady": steady}
+
+
 def markdown(scaled: dict, allreduce: dict | None = None) -> str:
     """results/README.md's table of a scaling.json (medians with their rounds' range; an unsteady row flagged, not
     printed), and the all-reduce's fitted cost from the allreduce.json beside it."""
@@ -130,20 +138,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     one, ran_one = step_times(SIZES, 1)
     two, ran_two = step_times(SIZES, WORLD)
-    table = []
-    print(f"{'hidden':>7} {'batch':>6} {'1 GPU us/step':>14} {f'{WORLD} GPUs (DDP)':>15} {'speedup':>8}")
-    for size in SIZES:
-        spread = [max(r) / min(r) for r in (one[size], two[size])]
-        steady = all(s <= UNSTEADY for s in spread)
-        t1, t2 = float(np.median(one[size])), float(np.median(two[size]))
-        table.append({"hidden": size[0], "batch": size[1], "rounds_1": one[size], "rounds_2": two[size],
-                      "us_1": t1 * 1e6, "us_2": t2 * 1e6, "steady": steady})
-        shown = f"{t1 * 1e6:14.1f} {t2 * 1e6:15.1f} {t1 / t2:7.2f}x" if steady else "unsteady: rounds >1.2x apart"
-        print(f"{size[0]:>7} {size[1]:>6} {shown}")
+    scaled = {"ran_1": ran_one, "ran_2": ran_two, "table": [table_row(*size, one[size], two[size]) for size in SIZES]}
     out = args.out or ROOT / "results" / f"{gpu_tag(ran_two['device'])}x{ran_two['world']}" / "scaling.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"ran_1": ran_one, "ran_2": ran_two, "table": table}, indent=1) + "\n")
-    print(f"1 GPU: {ran_one}\n{WORLD} GPUs: {ran_two}\nwrote {out}")
+    out.write_text(json.dumps(scaled, indent=1) + "\n")
+    print(markdown(scaled))
+    print(f"\n1 GPU: {ran_one}\n{WORLD} GPUs: {ran_two}\nwrote {out}")
     return 0
 
 
