@@ -21,7 +21,7 @@ NVCC_LEVELS := $(if $(NVCC),$(call ask_levels,targets,nvcc))
 GPU_MARKERS := $(call ask_levels,markers,gpu)
 LAB_LIBS := $(call ask_levels,lab-libraries,cc) $(if $(NVCC),$(call ask_levels,lab-libraries,nvcc))
 
-.PHONY: all compare bench infer test test-gpu check-memory check-memory-gpu levels $(CC_LEVELS) $(NVCC_LEVELS) lab grade \
+.PHONY: all compare bench infer test test-gpu check-memory check-memory-gpu levels $(CC_LEVELS) $(NVCC_LEVELS) level9 lab grade \
 	gradebook chapters notebooks clean
 
 all: compare
@@ -122,8 +122,14 @@ level7_fused/libmlp.so: level7_fused/mlp.cu level6_cublas/mlp.cu $(CUDA_MLP)
 	$(build_with_cublas)
 level7_fused/liblenet.so: level7_fused/lenet.cu $(LENET6_SOURCES)
 	$(build_with_cudnn)
+# Level 9 on GPUs: level 6's MLP with the gradients summed across GPUs between backward and update.
+level9: level9_data_parallel/libmlp.so
+level9_data_parallel/libmlp.so: level9_data_parallel/mlp.cu level9_data_parallel/gradient_sum.h level6_cublas/mlp.cu \
+		$(CUDA_MLP)
+	$(build_with_cublas)
 # Everything that links cuBLAS: after its wheel where the toolkit lacks it.
 level6_cublas/libmlp.so level6_cublas/liblenet.so level7_fused/libmlp.so level7_fused/liblenet.so \
+	level9_data_parallel/libmlp.so \
 	build/level7_stress.so build/level7_phases.so build/level7_floors.so build/lab_level7.so: | $(CUDA_ENV)
 
 # Level 8's GPU backend: level 5's kernels (through its lenet.cu, which includes its mlp.cu) and level 6's cuBLAS.
@@ -173,7 +179,7 @@ build/lab_level7.so: tests/lab_level7.cu level7_fused/mlp.cu level6_cublas/mlp.c
 	@mkdir -p build
 	$(build_with_cublas)
 
-levels: $(CC_LEVELS) $(NVCC_LEVELS)
+levels: $(CC_LEVELS) $(NVCC_LEVELS) $(if $(NVCC),level9)
 # What the jobs that run the levels build: the CUDA levels (and cuBLAS's and cuDNN's wheels) only where a GPU is
 # visible, since nowhere else can they run; `make levels` and the tests build them wherever nvcc is.
 GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)

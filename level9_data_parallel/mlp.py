@@ -26,6 +26,7 @@ import multiprocessing
 import os
 import signal
 import tempfile
+import time
 import traceback
 import weakref
 from datetime import timedelta
@@ -33,7 +34,7 @@ from multiprocessing.connection import wait
 
 import numpy as np
 
-from common.contract import DataCache, check_params, check_training, check_X, check_y, n_steps
+from common.contract import DataCache, check_params, check_training, check_X, check_y, immutable, n_steps
 from common.environment import environment
 from common.nets import mlp
 
@@ -55,6 +56,7 @@ class Replica:
 
         self.rank, self.world, self.bug, self.dist, self.level3 = rank, world, bug, dist, MLP
         self.model = None
+        self.hidden = 0
         self.X = self.y = None
         self.buffer = np.zeros(0, dtype=np.float32)  # the gradients and the loss, flat: what is all-reduced
 
@@ -63,16 +65,28 @@ class Replica:
         import torch
 
         shapes = mlp.param_shapes(hidden)
+        self.hidden = hidden
         if params is None:  # a replica that has none yet starts from zeros, then receives rank 0's
             params = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
             if self.model is not None and self.bug == "no_broadcast":
                 return
+        if self.bug != "no_broadcast":
+            flat = np.concatenate([np.asarray(params[name], np.float32).ravel() for name in mlp.PARAM_NAMES])
+            self.dist.broadcast(torch.from_numpy(flat), src=0)
+            params = self._unpack(flat, shapes)
+        self._set(params)
+
+    def _set(self, params: dict[str, np.ndarray]) -> None:
+        """This replica's network, holding params."""
         self.model = self.level3(params)
-        if self.bug == "no_broadcast":
-            return
-        flat = np.concatenate([self.model.params[name].ravel() for name in mlp.PARAM_NAMES])
-        self.dist.broadcast(torch.from_numpy(flat), src=0)
-        self.model.params = self._unpack(flat, shapes)
+
+    def _own_loss_and_grads(self, X: np.ndarray, y: np.ndarray):
+        """The mean loss and gradients of this rank's share alone."""
+        return self.model._loss_and_grads(X, y)
+
+    def describe(self) -> dict[str, str]:
+        """What this replica computes on, read from where it runs."""
+        return {"device": "cpu"}
 
     def data(self, X: np.ndarray, y: np.ndarray) -> None:
         """The training set, kept for the epochs that follow."""
@@ -89,20 +103,32 @@ class Replica:
             sgd_update(self.model.params, grads, lr)
         return losses
 
+    def time_epochs(self, order: np.ndarray, batch_size: int, lr: np.float32, rounds: int) -> list[float]:
+        """Each of `rounds` epochs' seconds per step, every rank starting together (the epoch ends synchronized: its
+        losses are back on the host)."""
+        seconds = []
+        for _ in range(rounds):
+            self.dist.barrier()
+            start = time.perf_counter()
+            self.epoch(order, batch_size, lr)
+            seconds.append((time.perf_counter() - start) / n_steps(len(order), batch_size))
+        return seconds
+
     def loss_and_grads(self, X: np.ndarray, y: np.ndarray, rows: np.ndarray | None = None):
         """The mean loss and gradients of the batch X[rows] (all of X: rows None), from every rank's share."""
         import torch
 
         rows = np.arange(len(X)) if rows is None else rows
         mine = self._share(rows)
-        shapes = {name: p.shape for name, p in self.model.params.items()}
+        shapes = mlp.param_shapes(self.hidden)
         if len(mine):
-            loss, grads = self.model._loss_and_grads(X[mine], y[mine])
+            loss, grads = self._own_loss_and_grads(X[mine], y[mine])
         else:  # no rows here: nothing to add, but the collective still needs this rank
             loss, grads = np.float32(0), {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
         weight = np.float32(len(mine) * self.world / len(rows))  # 1 for equal shares
-        if len(self.buffer) != sum(p.size for p in self.model.params.values()) + 1:
-            self.buffer = np.zeros(sum(p.size for p in self.model.params.values()) + 1, dtype=np.float32)
+        size = sum(int(np.prod(shape)) for shape in shapes.values()) + 1
+        if len(self.buffer) != size:
+            self.buffer = np.zeros(size, dtype=np.float32)
         if self.bug == "stale_buffer":  # reduced before this step's gradients are in it: last step's are
             self.dist.all_reduce(torch.from_numpy(self.buffer))
             self._pack(grads, loss, weight)
@@ -151,6 +177,96 @@ class Replica:
             out[name] = flat[start : start + size].reshape(shapes[name])
             start += size
         return out
+
+
+class GPUReplica(Replica):
+    """One worker's replica on a GPU of its own: level 6's step (cuBLAS), the gradients summed across the GPUs by
+    NCCL's all-reduce, called through cffi (nccl.py). Level 9's library (mlp.cu, gpu.py) queues the sum on the model's
+    stream between each step's backward pass and its update, so a whole epoch still runs in level 6's native calls.
+    Each rank pre-multiplies its gradients by its share of the batch, m_r / B (NCCL's PreMulSum): the sum is then the
+    mean over the whole batch. A rank whose share of a batch is empty (a batch, or a partial last batch, of fewer rows
+    than WORLD) still joins the step, for the all-reduce waits for every rank: it steps on a stand-in, the batch's first
+    row, weighted 0, and so adds nothing to the sum. loss_and_grads (the verifier's, outside training) is level 3's
+    replica's: each rank's share on its GPU, the sum on the host over gloo."""
+
+    def __init__(self, rank: int, world: int, bug: str | None):
+        import torch
+
+        from level9_data_parallel import nccl
+
+        super().__init__(rank, world, bug)
+        ident = torch.frombuffer(bytearray(nccl.unique_id() if rank == 0 else bytes(nccl.UNIQUE_ID_BYTES)),
+                                 dtype=torch.uint8)
+        self.dist.broadcast(ident, src=0)  # rank 0's id reaches the others over the gloo group
+        self.nccl = nccl
+        self.comm = nccl.Communicator(bytes(ident.numpy()), world, rank)
+        self.scale = np.float32(1)  # this rank's share of the step's batch: set before each native call
+        self.unread = None  # the stale_buffer bug's target, a device buffer nothing reads
+
+    def data(self, X: np.ndarray, y: np.ndarray) -> None:
+        """The training set, made immutable, so that level 6 uploads it to this GPU once for many epochs."""
+        self.X, self.y = immutable(X), immutable(y)
+
+    def _set(self, params: dict[str, np.ndarray]) -> None:
+        from level9_data_parallel.gpu import SummedMLP
+
+        if self.model is not None and self.model.hidden == len(params["fc1.bias"]):
+            self.model.load_state_dict(params)
+            return
+        self.model = SummedMLP(params)
+        self.model.sum_gradients_with(self._sum)
+
+    def _sum(self, gradients: list[int], counts: list[int], rows: int, stream: int) -> None:
+        """The step's sum (gradient_sum.h): queue the weighted sum of every rank's gradients, in place, on the
+        model's stream."""
+        targets = gradients
+        if self.bug == "stale_buffer":  # the sum lands where the update never reads: each rank steps on its own
+            if self.unread is None or self.unread.floats < sum(counts):
+                self.unread = self.nccl.DeviceBuffer(sum(counts))
+            targets = [self.unread.address + 4 * start for start in np.cumsum([0] + counts[:-1])]
+        self.comm.all_reduce(list(zip(gradients, targets, counts)), float(self.scale), stream)
+
+    def _own_loss_and_grads(self, X: np.ndarray, y: np.ndarray):
+        return self.model.loss_and_grads(np.ascontiguousarray(X), np.ascontiguousarray(y))
+
+    def _mine(self, rows: np.ndarray) -> tuple[np.ndarray, np.float32]:
+        """This rank's rows of a batch, and its factor in the sum: its share of the batch (times WORLD when the planted
+        bug forgets to divide); with no rows of its own, the batch's first row as a stand-in, weighted 0."""
+        mine = self._share(rows)
+        if not len(mine):
+            return rows[:1], np.float32(0)
+        return mine, np.float32(len(mine) * (self.world if self.bug == "undivided" else 1) / len(rows))
+
+    def epoch(self, order: np.ndarray, batch_size: int, lr: np.float32) -> np.ndarray:
+        """One pass in `order`: the whole batches in one native call on this rank's shares, the partial last batch (if
+        any) in a second; each step's loss over the whole batch."""
+        steps = n_steps(len(order), batch_size)
+        whole = len(order) // batch_size
+        parts = [(order[: whole * batch_size].reshape(whole, batch_size), batch_size)] if whole else []
+        if whole < steps:
+            parts.append((order[whole * batch_size :][None, :], len(order) - whole * batch_size))
+        losses, scales = [], []
+        for batches, batch in parts:  # within a part, every batch's share has the same size
+            mine = [self._mine(rows) for rows in batches]
+            self.scale = mine[0][1]
+            rows = np.concatenate([rows for rows, _ in mine])
+            losses.append(self.model.train_epoch(self.X, self.y, len(mine[0][0]), lr, rows))
+            scales.append(np.full(len(batches), self.scale, np.float32))
+        return self._batch_loss(np.concatenate(losses) * np.concatenate(scales))
+
+    def describe(self) -> dict[str, str]:
+        import torch
+
+        return {"device": "cuda", "gpu": torch.cuda.get_device_name(0), "nccl": self.nccl.version(),
+                "matmul": self.model.matmul}
+
+    def _batch_loss(self, weighted: np.ndarray) -> np.ndarray:
+        """Each step's loss over its whole batch: the ranks' weighted share losses, summed (gloo, on the host)."""
+        import torch
+
+        total = torch.from_numpy(np.ascontiguousarray(weighted, dtype=np.float32))
+        self.dist.all_reduce(total)
+        return total.numpy()
 
 
 class DDPReplica:
@@ -254,7 +370,7 @@ class DDPReplica:
         return (total / self.world).numpy().astype(np.float32)
 
 
-REPLICAS = {"level3": Replica, "ddp": DDPReplica}  # the worker's replica, by the driver's kind
+REPLICAS = {"level3": Replica, "level6": GPUReplica, "ddp": DDPReplica}  # the worker's replica, by the driver's kind
 
 
 def _serve(rank: int, world: int, store: str, conn, bug: str | None, kind: str) -> None:
@@ -290,7 +406,8 @@ class WorkerError(RuntimeError):
 class _Workers:
     """WORLD worker processes and their pipes; ended when closed, on an error, or when the model is collected."""
 
-    def __init__(self, world: int, bug: str | None, kind: str = "level3"):
+    def __init__(self, world: int, bug: str | None, kind: str = "level3", gpus: list[str] | None = None):
+        """gpus: each rank's GPU (CUDA_VISIBLE_DEVICES's entry), or None on the CPU."""
         context = multiprocessing.get_context("spawn")  # never fork a process that may hold threads
         self.folder = tempfile.TemporaryDirectory(prefix="level9-")
         store = os.path.join(self.folder.name, "store")  # the rendezvous: a file, no port to collide
@@ -300,7 +417,8 @@ class _Workers:
                 ours, theirs = context.Pipe()
                 proc = context.Process(target=_serve, args=(rank, world, store, theirs, bug, kind), daemon=True,
                                        name=f"level9-rank{rank}")
-                proc.start()
+                with environment({"CUDA_VISIBLE_DEVICES": gpus[rank]} if gpus else {}):  # rank r sees GPU r only
+                    proc.start()
                 theirs.close()
                 self.conns.append(ours)
                 self.procs.append(proc)
@@ -357,21 +475,25 @@ def _one_thread():
 
 
 class MLP:
-    """The level contract, data parallel over WORLD workers: each a replica running level 3's step on its share of
-    every batch, the gradients all-reduced through torch.distributed (gloo). bug: one of BUGS, planted in every
+    """The level contract, data parallel over WORLD workers, each a replica on its share of every batch. On the CPU
+    (device "cpu"): level 3's step, the gradients all-reduced through torch.distributed (gloo). On GPUs ("cuda"): one
+    GPU per worker, level 6's step, the gradients all-reduced by NCCL (GPUReplica). bug: one of BUGS, planted in every
     worker, for tests/test_level9.py only."""
 
     network = mlp
-    replica = "level3"  # what each worker holds: REPLICAS' key
+    REPLICAS = {"cpu": "level3", "cuda": "level6"}  # what each worker holds, by device: REPLICAS' key
 
-    def __init__(self, params: dict[str, np.ndarray], workers: int = WORLD, bug: str | None = None):
+    def __init__(self, params: dict[str, np.ndarray], workers: int = WORLD, bug: str | None = None,
+                 device: str = "cpu"):
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
         if bug is not None and bug not in BUGS:
             raise ValueError(f"bug must be None or one of {BUGS}, got {bug!r}")
+        if device not in self.REPLICAS:
+            raise ValueError(f"device must be one of {tuple(self.REPLICAS)}, got {device!r}")
         params = check_params(params, network=self.network)
-        self.world = workers
-        self._workers = _Workers(workers, bug, self.replica)
+        self.world, self.device = workers, device
+        self._workers = _Workers(workers, bug, self.REPLICAS[device], _gpus(workers) if device == "cuda" else None)
         self._finalizer = weakref.finalize(self, self._workers.close)
         self._data = DataCache()
         self.load_state_dict(params)
@@ -399,6 +521,14 @@ class MLP:
         self.check_replicas()
         return losses[0]
 
+    def time_epochs(self, X: np.ndarray, y: np.ndarray, batch_size: int, lr: float, order, rounds: int) -> list[float]:
+        """Seconds per step of `rounds` epochs in `order`, timed inside the workers (rank 0's clock, every rank
+        starting each round together): the step itself, without the driver's pipes or the replicas' check."""
+        rows = self._data.fetch(X, y, self._upload)
+        order, batch_size, lr = check_training(rows, batch_size, lr, order)
+        return self._all("time_epochs", order, batch_size, lr, rounds)[0]
+
+
     def _upload(self, X: np.ndarray, y: np.ndarray) -> int:
         """The training set to every worker: one copy each for many epochs."""
         self._all("data", X, y)
@@ -419,8 +549,11 @@ class MLP:
         return self._all("state")
 
     def variant(self) -> dict[str, str]:
-        """What this model computes with: level 3's step on WORLD workers, gloo's all-reduce, on the CPU."""
-        return {"device": "cpu", "workers": str(self.world)}
+        """What this model computes with, as each worker reports it: the device (and on GPUs, each GPU's name, NCCL's
+        version and the matrix product), and how many workers."""
+        described = self._all("describe")
+        ran = {key: ", ".join(dict.fromkeys(d[key] for d in described)) for key in described[0]}
+        return ran | {"workers": str(self.world)}
 
     def loss_and_grads(self, X: np.ndarray, y: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
         """Mean cross-entropy of one batch and its gradients, each rank on its share; parameters unchanged."""
@@ -461,12 +594,26 @@ class MLP:
         self._workers.ask([("load", (params, self.hidden))] + [("load", (None, self.hidden))] * (self.world - 1))
 
 
+def _gpus(world: int) -> list[str]:
+    """Each rank's GPU, as CUDA_VISIBLE_DEVICES names it (the caller's own list, if it set one); an error if the
+    machine has fewer than `world`."""
+    import torch
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = [g.strip() for g in visible.split(",") if g.strip()] if visible is not None else []
+    count = torch.cuda.device_count()
+    if count < world:
+        raise RuntimeError(f"level 9 on GPUs runs one worker per GPU: {world} workers asked for, and this machine has "
+                           f"{count} GPU{'s' * (count != 1)}")
+    return gpus[:world] if visible is not None else [str(g) for g in range(world)]
+
+
 class DDP(MLP):
     """The gold standard of data parallelism, driven the same way: PyTorch's DistributedDataParallel over the same gloo
     process group, each worker level 1's network on its share of every batch (DDPReplica). Verified against level 1's
     single-process step like level 9, and the yardstick of its speed."""
 
-    replica = "ddp"
+    REPLICAS = {"cpu": "ddp"}
 
     def __init__(self, params: dict[str, np.ndarray], workers: int = WORLD):
         super().__init__(params, workers)

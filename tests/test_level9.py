@@ -72,11 +72,15 @@ CAUGHT_BY = {
 }
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("bug", BUGS)
-def test_each_planted_bug_is_caught(mnist, bug):
-    """Each classic data-parallel bug, planted in the workers, fails a check at the first step."""
+def test_each_planted_bug_is_caught(mnist, bug, device):
+    """Each classic data-parallel bug, planted in the workers, fails a check at the first step: on the CPU (level 3's
+    step, gloo) and on two GPUs (level 6's step, NCCL)."""
+    if device == "cuda":
+        two_gpus()
     X, y, params = mnist[0][:64], mnist[1][:64], init_params(0)
-    with MLP(params, bug=bug) as model:
+    with MLP(params, bug=bug, device=device) as model:
         try:
             records, _ = lockstep({"level9": model}, params, X, y, 8)
         except WorkerError as error:
@@ -154,15 +158,6 @@ def test_nccl_allreduce_on_two_gpus_says_what_ran():
     assert times[4 << 20] > 0 and ran["nccl"].count(".") == 2
 
 
-@pytest.mark.gpu
-def test_ddp_step_times_on_one_and_two_gpus_say_what_ran():
-    two_gpus()
-    for world in (1, WORLD):
-        rows, ran = scaling.step_times([(64, 32)], world)
-        assert len(rows[(64, 32)]) == scaling.ROUNDS and min(rows[(64, 32)]) > 0
-        assert ran["world"] == world and ran["ddp"] == (world > 1) and ran["tf32"] is False
-
-
 def test_step_times_refuse_more_gpus_than_the_machine_has():
     import torch
 
@@ -181,7 +176,16 @@ def test_the_scaling_table_publishes_medians_with_their_range_and_flags_unsteady
     assert "| 4,096 | 16,384 | unsteady" in table and "5,000" not in table  # the unsteady row's times stay out
     assert "TF32 off" in table and "GPU A" in table and "not a" not in table
     other = scaling.markdown(scaled | {"ran_1": scaled["ran_1"] | {"device": "GPU B"}})
-    assert "One GPU was a GPU B, not a GPU A" in other
+    assert "ran on different GPUs (GPU A, GPU B)" in other
+    own = {"level": "level9", "world": 2, "device": "GPU A", "nccl": "2.28.9", "matmul": "cublas", "steps": 100,
+           "rounds": 3}
+    with_level = scaling.markdown(scaled | {
+        "level_1": own | {"level": "level6", "world": 1}, "level_2": own,
+        "level_table": [scaling.table_row(256, 8, [1e-4, 1e-4, 1e-4], [1.5e-4, 1.5e-4, 1.5e-4]),
+                        scaling.table_row(4096, 16384, [5e-3, 5e-3, 5e-3], [2.5e-3, 2.5e-3, 2.5e-3])]})
+    assert "| 256 | 8 | 100.0 (100.0-100.0) | 150.0 (150.0-150.0) | 0.67x | 0.07x |" in with_level  # 150 / 2,000
+    assert "| 4,096 | 16,384 | 5,000.0 (5,000.0-5,000.0) | 2,500.0 (2,500.0-2,500.0) | 2.00x | - |" in with_level
+    assert "different GPUs" not in with_level
 
 
 def rank_that_fails(rank: int, world: int, store: str, out) -> None:
@@ -197,5 +201,140 @@ def test_ranks_that_end_without_a_report_are_an_exception_not_a_hang():
 
 def test_the_committed_scaling_rows_are_what_their_rounds_give():
     for path in ROOT.glob("results/*x2/scaling.json"):
-        for row in json.loads(path.read_text())["table"]:
+        scaled = json.loads(path.read_text())
+        for row in scaled["table"] + scaled.get("level_table", []):
             assert scaling.table_row(row["hidden"], row["batch"], row["rounds_1"], row["rounds_2"]) == row, path
+
+
+# ---- level 9 on GPUs: level 6's step on each GPU, NCCL's all-reduce through cffi ----
+
+
+def test_nccl_through_cffi_gives_its_version_and_a_unique_id():
+    """The binding loads NCCL and makes a communicator's id without a GPU, where NCCL is installed."""
+    from level9_data_parallel import nccl
+
+    try:
+        version = nccl.version()
+    except nccl.NCCLUnavailable as error:
+        pytest.skip(str(error))
+    assert version.count(".") == 2 and int(version.split(".")[0]) >= 2
+    first, second = nccl.unique_id(), nccl.unique_id()
+    assert len(first) == nccl.UNIQUE_ID_BYTES and first != second
+    with pytest.raises(ValueError, match="128 bytes"):
+        nccl.Communicator(first[:-1], WORLD, 0)
+
+
+def test_level9_on_gpus_refuses_a_bad_device_and_more_gpus_than_there_are():
+    import torch
+
+    with pytest.raises(ValueError, match="device must be one of"):
+        MLP(init_params(0, 16), device="gpu")
+    with pytest.raises(RuntimeError, match=f"{torch.cuda.device_count() + 1} workers asked for"):
+        MLP(init_params(0, 16), workers=torch.cuda.device_count() + 1, device="cuda")
+
+
+@pytest.mark.gpu
+def test_the_gradient_sum_is_called_once_per_step_and_its_failure_is_raised(mnist, request):
+    """Level 9's library calls the installed sum once per step with the four gradients and the step's rows; a sum that
+    adds nothing leaves level 6's step bit for bit; an exception in it is raised from the native call, and the model
+    carries on."""
+    from conftest import require
+
+    from common.levels import level
+
+    require(level(6), "cuda", request.config)
+    from level6_cublas import MLP as Level6
+    from level9_data_parallel.gpu import SummedMLP
+
+    X, y, params = mnist[0][:20], mnist[1][:20], init_params(0, 100)
+    plain, summed = Level6(params), SummedMLP(params)
+    calls = []
+    summed.sum_gradients_with(lambda gradients, counts, rows, stream: calls.append((counts, rows)))
+    assert np.array_equal(plain.train_epoch(X, y, 8, 0.1), summed.train_epoch(X, y, 8, 0.1))
+    for name in PARAM_NAMES:
+        assert plain.state_dict()[name].tobytes() == summed.state_dict()[name].tobytes(), name
+    assert calls == [([100 * 784, 100, 10 * 100, 10], rows) for rows in (8, 8, 4)]
+
+    def failing(*args):
+        raise RuntimeError("the sum failed")
+
+    summed.sum_gradients_with(failing)
+    with pytest.raises(RuntimeError, match="the sum failed"):
+        summed.train_epoch(X, y, 8, 0.1)
+    summed.sum_gradients_with(None)
+    assert np.isfinite(summed.train_epoch(X, y, 8, 0.1)).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch, n", [(8, 384), (13, 300)], ids=["b8", "b13-partial"])
+def test_on_two_gpus_lockstep_with_level1_on_mnist(mnist, batch, n):
+    """Level 9 on two GPUs, every step from level 1's parameters against level 1's single-process step of the whole
+    batch; level 6, the same step on one GPU, beside it. It says what ran, read back from its workers."""
+    two_gpus()
+    import torch
+
+    from level6_cublas import MLP as Level6
+
+    X, y, params = mnist[0][:n], mnist[1][:n], init_params(0)
+    with MLP(params, device="cuda") as model:
+        ran = model.variant()
+        records, steps = lockstep({"level6": Level6(params), "level9": model}, params, X, y, batch, shuffle=True)
+    assert ran["device"] == "cuda" and ran["gpu"] == torch.cuda.get_device_name(0) and ran["workers"] == str(WORLD)
+    assert ran["matmul"] == "cublas" and ran["nccl"].count(".") == 2
+    for label, record in records.items():
+        assert record.failure is None, f"{label}: {record.failure}"
+        assert len(record.used) == steps
+    print(f"batch {batch}, {ran}: largest share of the allowance used over {steps} steps: "
+          + ", ".join(f"{label} {max(record.used):.3f}" for label, record in records.items()))
+
+
+@pytest.mark.gpu
+def test_on_two_gpus_the_replicas_are_bit_identical_after_an_epoch(mnist):
+    two_gpus()
+    X, y = mnist[0][:256], mnist[1][:256]
+    with MLP(init_params(3, 64), device="cuda") as model:
+        model.train_epoch(X, y, 8, 0.05, epoch_order(256, 0, 0, True))
+        first, second = model.replica_states()
+        for name in PARAM_NAMES:
+            assert first[name].tobytes() == second[name].tobytes(), name
+        assert not np.array_equal(first["fc1.weight"], init_params(3, 64)["fc1.weight"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch, n", [(1, 6), (3, 7)], ids=["b1", "b3-last-of-1"])
+def test_on_two_gpus_a_rank_without_rows_adds_nothing(mnist, batch, n):
+    """Batches of fewer rows than GPUs (every batch of 1; a last batch of 1): the rank without a row steps on a
+    stand-in weighted 0, and the step is still level 1's, also for the loss and gradients of one row."""
+    two_gpus()
+    X, y, params = mnist[0][:n], mnist[1][:n], init_params(0, 32)
+    with MLP(params, device="cuda") as model:
+        records, steps = lockstep({"level9": model}, params, X, y, batch)
+        assert records["level9"].failure is None and len(records["level9"].used) == steps
+        state = model.state_dict()
+        loss, grads = model.loss_and_grads(X[:1], y[:1])
+    expected_loss, expected = Level3(state).loss_and_grads(X[:1], y[:1])
+    assert loss == pytest.approx(expected_loss, rel=1e-5)
+    for name in PARAM_NAMES:
+        np.testing.assert_allclose(grads[name], expected[name], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_the_step_times_on_one_and_two_gpus_say_what_ran():
+    """DDP's timer and the course's (level 6 on one GPU, level 9 on two), and the kernel profile of one GPU's step."""
+    two_gpus()
+    import torch
+
+    for world in (1, WORLD):
+        rows, ran = scaling.step_times([(64, 32)], world)
+        own_rows, own = scaling.level_step_times([(64, 32)], world)
+        for timed in (rows, own_rows):
+            assert len(timed[(64, 32)]) == scaling.ROUNDS and min(timed[(64, 32)]) > 0
+        assert ran["world"] == world and ran["ddp"] == (world > 1) and ran["tf32"] is False
+        assert own["world"] == world and own["level"] == ("level6" if world == 1 else "level9")
+        assert own["device"] == torch.cuda.get_device_name(0) and own["matmul"] == "cublas"
+    profile = scaling.kernel_profile(64, 32, steps=2)
+    assert profile["ran"]["device"] == torch.cuda.get_device_name(0) and profile["ran"]["tf32"] is False
+    for label in ("level6", "torch"):
+        names = [name for name, us in profile[label] if us > 0]
+        assert any("gemm" in name for name in names), (label, names)
+    assert any(name.startswith("relu_forward_kernel") for name, _ in profile["level6"])  # level 6's own kernels seen

@@ -1,0 +1,63 @@
+"""Level 9's GPU library in Python: level 6's MLP (libmlp.so, built from mlp.cu) with a function that its epoch calls
+between each step's backward pass and its update, to sum the gradients across GPUs (gradient_sum.h).
+
+It reuses the course's cffi binding (common/native): the same class as level 6's, on level 9's library, and the
+header's declarations added to the same FFI. Build: `make level9`.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from common.native import NativeError, NativeMLP, ffi
+
+HEADER = Path(__file__).with_name("gradient_sum.h")
+LIBRARY = Path(__file__).with_name("libmlp.so")
+
+ffi.cdef(re.search(r"/\* cdef-begin \*/(.*)/\* cdef-end \*/", HEADER.read_text(), re.DOTALL).group(1))
+
+
+class SummedMLP(NativeMLP):
+    """Level 6's MLP on this process's GPU, whose training step can sum its gradients across GPUs (sum_gradients_with).
+    Without a sum installed it trains exactly as level 6."""
+
+    on_gpu = True
+    _sum_callback = None  # the installed sum as a C function, kept alive while the library may call it
+    _sum_failure = None  # the exception the sum raised inside a native call, raised when that call returns
+
+    def __init__(self, params, matmul: str | None = None):
+        if type(self).lib is None:
+            if not LIBRARY.exists():
+                raise ImportError(f"{LIBRARY.relative_to(LIBRARY.parents[1])} is not built: run `make level9`")
+            type(self).lib = ffi.dlopen(str(LIBRARY))
+        super().__init__(params, matmul)
+
+    def sum_gradients_with(self, sum_gradients) -> None:
+        """Install sum_gradients(gradients, counts, rows, stream): called once per training step, between the
+        backward pass and the update, with the device addresses of the four gradients (dw1, db1, dw2, db2), their
+        counts of floats, the step's rows and the model's CUDA stream; it queues the sum on that stream. None
+        uninstalls it. An exception it raises fails the native call, and is raised from it."""
+        if sum_gradients is None:
+            callback = ffi.NULL
+        else:
+            def call(context, gradients, counts, n_gradients, rows, stream) -> int:
+                try:
+                    sum_gradients([int(ffi.cast("uintptr_t", gradients[i])) for i in range(n_gradients)],
+                                  [counts[i] for i in range(n_gradients)], rows, int(ffi.cast("uintptr_t", stream)))
+                except BaseException as failure:  # noqa: BLE001 - kept, and raised once the native call returns
+                    self._sum_failure = failure
+                    return self.lib.MLP_ERR_DEVICE
+                return self.lib.MLP_OK
+
+            callback = ffi.callback("mlp_gradient_sum", call)
+        with self._lock:
+            self._check(self.lib.mlp_set_gradient_sum(self._handle(), callback, ffi.NULL))
+            self._sum_callback = callback
+
+    def _check(self, status: int, refused: type[Exception] = NativeError) -> None:
+        """As NativeModel's, but a call that failed in the installed sum raises the sum's own exception."""
+        failure, self._sum_failure = self._sum_failure, None
+        if status != self.lib.MLP_OK and failure is not None:
+            raise failure
+        super()._check(status, refused)
