@@ -36,7 +36,7 @@ import numpy as np
 
 from common.contract import DataCache, check_params, check_training, check_X, check_y, immutable, n_steps
 from common.environment import environment
-from common.nets import mlp
+from common.nets import get, lenet, mlp
 
 WORLD = 2  # workers, one replica each
 TIMEOUT = timedelta(seconds=60)  # a collective that waits longer for a rank fails, rather than hanging
@@ -47,14 +47,17 @@ BUGS = ("undivided", "same_share", "stale_buffer", "no_broadcast")  # tests/test
 
 
 class Replica:
-    """One worker's replica: level 3's MLP, stepped on this rank's share of every batch, its gradients all-reduced."""
+    """One worker's replica: level 3's network (net: "mlp" or "lenet"), stepped on this rank's share of every batch, its
+    gradients all-reduced."""
 
-    def __init__(self, rank: int, world: int, bug: str | None):
+    def __init__(self, rank: int, world: int, bug: str | None, net: str = "mlp"):
         import torch.distributed as dist
 
-        from level3_numpy import MLP
+        import level3_numpy
 
-        self.rank, self.world, self.bug, self.dist, self.level3 = rank, world, bug, dist, MLP
+        self.rank, self.world, self.bug, self.dist = rank, world, bug, dist
+        self.network = get(net).network  # its PARAM_NAMES and param_shapes
+        self.level3 = getattr(level3_numpy, get(net).class_name)
         self.model = None
         self.hidden = 0
         self.X = self.y = None
@@ -64,14 +67,14 @@ class Replica:
         """Rank 0's parameters (params; None on the other ranks) broadcast to every replica."""
         import torch
 
-        shapes = mlp.param_shapes(hidden)
+        shapes = self.network.param_shapes(hidden)
         self.hidden = hidden
         if params is None:  # a replica that has none yet starts from zeros, then receives rank 0's
             params = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
             if self.model is not None and self.bug == "no_broadcast":
                 return
         if self.bug != "no_broadcast":
-            flat = np.concatenate([np.asarray(params[name], np.float32).ravel() for name in mlp.PARAM_NAMES])
+            flat = np.concatenate([np.asarray(params[name], np.float32).ravel() for name in self.network.PARAM_NAMES])
             self.dist.broadcast(torch.from_numpy(flat), src=0)
             params = self._unpack(flat, shapes)
         self._set(params)
@@ -120,7 +123,7 @@ class Replica:
 
         rows = np.arange(len(X)) if rows is None else rows
         mine = self._share(rows)
-        shapes = mlp.param_shapes(self.hidden)
+        shapes = self.network.param_shapes(self.hidden)
         if len(mine):
             loss, grads = self._own_loss_and_grads(X[mine], y[mine])
         else:  # no rows here: nothing to add, but the collective still needs this rank
@@ -150,7 +153,7 @@ class Replica:
     def forward(self, X: np.ndarray) -> np.ndarray:
         """Logits of this rank's share of X's rows (none where X has fewer rows than there are ranks)."""
         mine = self._share(np.arange(len(X)))
-        return self.model.forward(np.ascontiguousarray(X[mine])) if len(mine) else np.empty((0, mlp.N_OUT), np.float32)
+        return self.model.forward(np.ascontiguousarray(X[mine])) if len(mine) else np.empty((0, self.network.N_OUT), np.float32)
 
     def state(self) -> dict[str, np.ndarray]:
         return self.model.state_dict()
@@ -162,17 +165,16 @@ class Replica:
     def _pack(self, grads: dict[str, np.ndarray], loss, weight: np.float32) -> None:
         """The weighted gradients, then the weighted loss, into the flat buffer."""
         start = 0
-        for name in mlp.PARAM_NAMES:
+        for name in self.network.PARAM_NAMES:
             size = grads[name].size
             np.multiply(grads[name].ravel(), weight, out=self.buffer[start : start + size])
             start += size
         self.buffer[-1] = np.float32(loss) * weight
 
-    @staticmethod
-    def _unpack(flat: np.ndarray, shapes: dict) -> dict[str, np.ndarray]:
+    def _unpack(self, flat: np.ndarray, shapes: dict) -> dict[str, np.ndarray]:
         """A flat buffer back into parameters (views of it) by name."""
         out, start = {}, 0
-        for name in mlp.PARAM_NAMES:
+        for name in self.network.PARAM_NAMES:
             size = int(np.prod(shapes[name]))
             out[name] = flat[start : start + size].reshape(shapes[name])
             start += size
@@ -189,12 +191,14 @@ class GPUReplica(Replica):
     row, weighted 0, and so adds nothing to the sum. loss_and_grads (the verifier's, outside training) is level 3's
     replica's: each rank's share on its GPU, the sum on the host over gloo."""
 
-    def __init__(self, rank: int, world: int, bug: str | None):
+    def __init__(self, rank: int, world: int, bug: str | None, net: str = "mlp"):
         import torch
 
         from level9_data_parallel import nccl
 
-        super().__init__(rank, world, bug)
+        if net != "mlp":
+            raise ValueError(f"level 9 runs the MLP on GPUs, not {net}")
+        super().__init__(rank, world, bug, net)
         ident = torch.frombuffer(bytearray(nccl.unique_id() if rank == 0 else bytes(nccl.UNIQUE_ID_BYTES)),
                                  dtype=torch.uint8)
         self.dist.broadcast(ident, src=0)  # rank 0's id reaches the others over the gloo group
@@ -275,12 +279,12 @@ class DDPReplica:
     backward(); torch.optim.SGD then steps every replica alike. Each rank's loss is its share's summed loss times
     WORLD / B, so that DDP's average over the ranks is the mean over the whole batch, as level 1's step takes it."""
 
-    def __init__(self, rank: int, world: int, bug: str | None):
+    def __init__(self, rank: int, world: int, bug: str | None, net: str = "mlp"):
         import torch.distributed as dist
 
         if bug is not None:
             raise ValueError("the gold standard takes no planted bug")
-        self.rank, self.world, self.dist = rank, world, dist
+        self.rank, self.world, self.dist, self.net = rank, world, dist, net
         self.ddp = self.optimizer = None
         self.X = self.y = None
 
@@ -289,10 +293,12 @@ class DDPReplica:
         import torch
         from torch.nn.parallel import DistributedDataParallel
 
-        from level1_pytorch.mlp import Net
+        import importlib
 
-        net = Net(hidden)
-        shapes = mlp.param_shapes(hidden)
+        network = get(self.net).network
+        module = importlib.import_module(f"level1_pytorch.{self.net}")
+        net = module.Net(hidden) if self.net == "mlp" else module.Net()
+        shapes = network.param_shapes(hidden)
         with torch.no_grad():
             for name, tensor in net.state_dict().items():
                 tensor.copy_(torch.from_numpy(params[name]) if params is not None else torch.zeros(shapes[name]))
@@ -334,12 +340,12 @@ class DDPReplica:
 
     def layers(self, X: np.ndarray, y: np.ndarray, rows: np.ndarray):
         """Level 1's layers of this rank's share of X[rows] (as Replica.layers), and its share of the rows."""
-        from level1_pytorch import MLP as Level1
+        import level1_pytorch
 
         mine = np.array_split(rows, self.world)[self.rank]
         if not len(mine):
             return None, mine
-        return Level1(self.state()).layers(X[mine], y[mine]), mine
+        return getattr(level1_pytorch, get(self.net).class_name)(self.state()).layers(X[mine], y[mine]), mine
 
     def forward(self, X: np.ndarray) -> np.ndarray:
         """Logits of this rank's share of X's rows."""
@@ -373,13 +379,13 @@ class DDPReplica:
 REPLICAS = {"level3": Replica, "level6": GPUReplica, "ddp": DDPReplica}  # the worker's replica, by the driver's kind
 
 
-def _serve(rank: int, world: int, store: str, conn, bug: str | None, kind: str) -> None:
+def _serve(rank: int, world: int, store: str, conn, bug: str | None, kind: str, net: str) -> None:
     """A worker's life: join the process group, then run the driver's commands until it says close or goes away."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle: it ends the workers
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=TIMEOUT)
-    replica = REPLICAS[kind](rank, world, bug)
+    replica = REPLICAS[kind](rank, world, bug, net)
     try:
         while True:
             try:
@@ -406,8 +412,9 @@ class WorkerError(RuntimeError):
 class _Workers:
     """WORLD worker processes and their pipes; ended when closed, on an error, or when the model is collected."""
 
-    def __init__(self, world: int, bug: str | None, kind: str = "level3", gpus: list[str] | None = None):
-        """gpus: each rank's GPU (CUDA_VISIBLE_DEVICES's entry), or None on the CPU."""
+    def __init__(self, world: int, bug: str | None, kind: str = "level3", gpus: list[str] | None = None,
+                 net: str = "mlp"):
+        """gpus: each rank's GPU (CUDA_VISIBLE_DEVICES's entry), or None on the CPU; net: the network's name."""
         context = multiprocessing.get_context("spawn")  # never fork a process that may hold threads
         self.folder = tempfile.TemporaryDirectory(prefix="level9-")
         store = os.path.join(self.folder.name, "store")  # the rendezvous: a file, no port to collide
@@ -415,7 +422,7 @@ class _Workers:
         with _one_thread():
             for rank in range(world):
                 ours, theirs = context.Pipe()
-                proc = context.Process(target=_serve, args=(rank, world, store, theirs, bug, kind), daemon=True,
+                proc = context.Process(target=_serve, args=(rank, world, store, theirs, bug, kind, net), daemon=True,
                                        name=f"level9-rank{rank}")
                 with environment({"CUDA_VISIBLE_DEVICES": gpus[rank]} if gpus else {}):  # rank r sees GPU r only
                     proc.start()
@@ -493,7 +500,8 @@ class MLP:
             raise ValueError(f"device must be one of {tuple(self.REPLICAS)}, got {device!r}")
         params = check_params(params, network=self.network)
         self.world, self.device = workers, device
-        self._workers = _Workers(workers, bug, self.REPLICAS[device], _gpus(workers) if device == "cuda" else None)
+        self._workers = _Workers(workers, bug, self.REPLICAS[device], _gpus(workers) if device == "cuda" else None,
+                                 self.network.__name__.rsplit(".", 1)[-1])
         self._finalizer = weakref.finalize(self, self._workers.close)
         self._data = DataCache()
         self.load_state_dict(params)
@@ -538,7 +546,7 @@ class MLP:
         """Raise unless every replica holds the same bits as rank 0's."""
         states = self.replica_states()
         for rank, state in enumerate(states[1:], 1):
-            for name in mlp.PARAM_NAMES:
+            for name in self.network.PARAM_NAMES:
                 if state[name].tobytes() != states[0][name].tobytes():
                     differ = int((state[name] != states[0][name]).sum())
                     raise WorkerError(f"the replicas parted: rank {rank}'s {name} differs from rank 0's in {differ} "
@@ -608,14 +616,24 @@ def _gpus(world: int) -> list[str]:
     return gpus[:world] if visible is not None else [str(g) for g in range(world)]
 
 
+class LeNet(MLP):
+    """LeNet-5, data parallel the same way: level 3's LeNet-5 in each worker, on the CPU, the gradients all-reduced
+    through gloo. (On GPUs, level 9 runs the MLP.)"""
+
+    network = lenet
+    REPLICAS = {"cpu": "level3"}
+
+
 class DDP(MLP):
     """The gold standard of data parallelism, driven the same way: PyTorch's DistributedDataParallel over the same gloo
     process group, each worker level 1's network on its share of every batch (DDPReplica). Verified against level 1's
-    single-process step like level 9, and the yardstick of its speed."""
+    single-process step like level 9, and the yardstick of its speed. The network, the MLP or LeNet-5, is the one the
+    parameters' names say."""
 
     REPLICAS = {"cpu": "ddp"}
 
     def __init__(self, params: dict[str, np.ndarray], workers: int = WORLD):
+        self.network = lenet if isinstance(params, dict) and set(params) == set(lenet.PARAM_NAMES) else mlp
         super().__init__(params, workers)
 
     def variant(self) -> dict[str, str]:

@@ -18,17 +18,19 @@ from common.harness import scaling, verify
 from common.harness.compare import epoch_order
 from common.levels import ROOT
 from common.nets.mlp import PARAM_NAMES, init_params
+from common.nets import get, lenet
+from level3_numpy import LeNet as Level3LeNet
 from level3_numpy import MLP as Level3
-from level9_data_parallel import DDP, MLP, allreduce
+from level9_data_parallel import DDP, MLP, LeNet, allreduce
 from level9_data_parallel.mlp import BUGS, WORLD, WorkerError
 
 pytestmark = pytest.mark.level9
 
 
-def lockstep(models: dict, params, X, y, batch: int, epochs: int = 1, shuffle: bool = False):
+def lockstep(models: dict, params, X, y, batch: int, epochs: int = 1, shuffle: bool = False, net: str = "mlp"):
     """verify.lockstep over `epochs` epochs of X; the records by label."""
     orders = [epoch_order(len(X), e, 0, shuffle) for e in range(epochs)]
-    records, diverged = verify.lockstep(models, params, X, y, orders, batch, 0.05)
+    records, diverged = verify.lockstep(models, params, X, y, orders, batch, 0.05, network=get(net))
     assert diverged is None, diverged
     return records, sum(-(-len(o) // batch) for o in orders)
 
@@ -47,6 +49,24 @@ def test_lockstep_with_level1_on_mnist(mnist, batch, n):
         assert len(record.used) == steps  # every step was checked
     print(f"batch {batch}: largest share of the allowance used over {steps} steps: "
           + ", ".join(f"{label} {max(record.used):.3f}" for label, record in records.items()))
+
+
+def test_lenet_in_lockstep_with_level1_on_mnist(mnist):
+    """LeNet-5, data parallel the same way, level 3's and PyTorch's DDP: every step against level 1's single-process
+    step of the whole batch (an odd batch of 13: shares of 7 and 6; a partial last batch), then the replicas bit for
+    bit."""
+    X, y, params = mnist[0][:160], mnist[1][:160], lenet.init_params(0)
+    with LeNet(params) as model, DDP(params) as gold:
+        records, steps = lockstep({"level3": Level3LeNet(params), "level9": model, "ddp": gold}, params, X, y, 13,
+                                  shuffle=True, net="lenet")
+        for states in (model.replica_states(), gold.replica_states()):
+            for name in lenet.PARAM_NAMES:
+                assert states[0][name].tobytes() == states[1][name].tobytes(), name
+    for label, record in records.items():
+        assert record.failure is None, f"{label}: {record.failure}"
+        assert len(record.used) == steps
+    with pytest.raises(ValueError, match="device must be one of"):
+        LeNet(params, device="cuda")
 
 
 @pytest.mark.parametrize("kind", [MLP, DDP], ids=["level9", "ddp"])
@@ -72,17 +92,19 @@ CAUGHT_BY = {
 }
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("kind, device", [(MLP, "cpu"), (LeNet, "cpu"), pytest.param(MLP, "cuda", marks=pytest.mark.gpu)],
+                         ids=["mlp-cpu", "lenet-cpu", "mlp-cuda"])
 @pytest.mark.parametrize("bug", BUGS)
-def test_each_planted_bug_is_caught(mnist, bug, device):
+def test_each_planted_bug_is_caught(mnist, bug, kind, device):
     """Each classic data-parallel bug, planted in the workers, fails a check at the first step: on the CPU (level 3's
-    step, gloo) and on two GPUs (level 6's step, NCCL)."""
+    step, gloo), for both networks, and on two GPUs (level 6's step, NCCL)."""
     if device == "cuda":
         two_gpus()
-    X, y, params = mnist[0][:64], mnist[1][:64], init_params(0)
-    with MLP(params, bug=bug, device=device) as model:
+    net = "lenet" if kind is LeNet else "mlp"
+    X, y, params = mnist[0][:64], mnist[1][:64], get(net).network.init_params(0)
+    with kind(params, bug=bug, device=device) as model:
         try:
-            records, _ = lockstep({"level9": model}, params, X, y, 8)
+            records, _ = lockstep({"level9": model}, params, X, y, 8, net=net)
         except WorkerError as error:
             assert CAUGHT_BY[bug] == "replicas" and "replicas parted" in str(error)
             return
