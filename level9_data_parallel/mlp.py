@@ -14,14 +14,18 @@ worker's gradient is the mean over its share, weighted by share * WORLD / B (exa
 the sum divided by WORLD is the mean over the whole batch also for an odd B, a partial last batch, or a share of 0
 rows (a worker with no rows still joins every collective: a collective waits for every rank).
 
+The same driver runs LeNet-5 (LeNet, below: level 3's LeNet-5 in each worker), and on GPUs the MLP with one GPU per
+worker (device="cuda": GPUReplica, level 6's step with NCCL's all-reduce between its backward pass and its update).
+
 The gold standard is PyTorch's own (DDP, below): the same driver and process group, each worker level 1's network
 wrapped in DistributedDataParallel. It is checked against level 1 the same way, and it is the yardstick of speed.
 
-Run: `pytest -m level9`.
+Run: `pytest -m level9` (the GPU tests on a machine with two GPUs, after `make level9`).
 """
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing
 import os
 import signal
@@ -153,7 +157,9 @@ class Replica:
     def forward(self, X: np.ndarray) -> np.ndarray:
         """Logits of this rank's share of X's rows (none where X has fewer rows than there are ranks)."""
         mine = self._share(np.arange(len(X)))
-        return self.model.forward(np.ascontiguousarray(X[mine])) if len(mine) else np.empty((0, self.network.N_OUT), np.float32)
+        if not len(mine):
+            return np.empty((0, self.network.N_OUT), np.float32)
+        return self.model.forward(np.ascontiguousarray(X[mine]))
 
     def state(self) -> dict[str, np.ndarray]:
         return self.model.state_dict()
@@ -292,8 +298,6 @@ class DDPReplica:
         """Rank 0's parameters (None on the others: zeros), reaching every replica by DDP's broadcast."""
         import torch
         from torch.nn.parallel import DistributedDataParallel
-
-        import importlib
 
         network = get(self.net).network
         module = importlib.import_module(f"level1_pytorch.{self.net}")
@@ -500,8 +504,8 @@ class MLP:
             raise ValueError(f"device must be one of {tuple(self.REPLICAS)}, got {device!r}")
         params = check_params(params, network=self.network)
         self.world, self.device = workers, device
-        self._workers = _Workers(workers, bug, self.REPLICAS[device], _gpus(workers) if device == "cuda" else None,
-                                 self.network.__name__.rsplit(".", 1)[-1])
+        net = self.network.__name__.rsplit(".", 1)[-1]  # "mlp" or "lenet": the network's name in common.nets
+        self._workers = _Workers(workers, bug, self.REPLICAS[device], _gpus(workers) if device == "cuda" else None, net)
         self._finalizer = weakref.finalize(self, self._workers.close)
         self._data = DataCache()
         self.load_state_dict(params)
@@ -535,7 +539,6 @@ class MLP:
         rows = self._data.fetch(X, y, self._upload)
         order, batch_size, lr = check_training(rows, batch_size, lr, order)
         return self._all("time_epochs", order, batch_size, lr, rounds)[0]
-
 
     def _upload(self, X: np.ndarray, y: np.ndarray) -> int:
         """The training set to every worker: one copy each for many epochs."""

@@ -126,8 +126,9 @@ class Communicator:
             _check(lib().ncclGroupStart(), "ncclGroupStart")
             try:
                 for source, target, count in buffers:
-                    _check(lib().ncclAllReduce(ffi.cast("void *", source), ffi.cast("void *", target), count, FLOAT32,
-                                               op[0], self.comm, ffi.cast("void *", stream)), "ncclAllReduce", self.comm)
+                    result = lib().ncclAllReduce(ffi.cast("void *", source), ffi.cast("void *", target), count,
+                                                 FLOAT32, op[0], self.comm, ffi.cast("void *", stream))
+                    _check(result, "ncclAllReduce", self.comm)
             finally:
                 _check(lib().ncclGroupEnd(), "ncclGroupEnd", self.comm)
         finally:  # NCCL allows it as soon as the last call that uses the operator has returned

@@ -92,7 +92,8 @@ CAUGHT_BY = {
 }
 
 
-@pytest.mark.parametrize("kind, device", [(MLP, "cpu"), (LeNet, "cpu"), pytest.param(MLP, "cuda", marks=pytest.mark.gpu)],
+@pytest.mark.parametrize("kind, device",
+                         [(MLP, "cpu"), (LeNet, "cpu"), pytest.param(MLP, "cuda", marks=pytest.mark.gpu)],
                          ids=["mlp-cpu", "lenet-cpu", "mlp-cuda"])
 @pytest.mark.parametrize("bug", BUGS)
 def test_each_planted_bug_is_caught(mnist, bug, kind, device):

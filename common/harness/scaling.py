@@ -264,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(scaled, indent=1) + "\n")
     print(markdown(scaled))
-    print(f"\nDDP, 1 GPU: {ran_one}\nDDP, {WORLD} GPUs: {ran_two}\nlevel 6: {level_one}\nlevel 9: {level_two}\nwrote {out}")
+    print(f"\nDDP, 1 GPU: {ran_one}\nDDP, {WORLD} GPUs: {ran_two}")
+    print(f"level 6: {level_one}\nlevel 9: {level_two}\nwrote {out}")
     return 0
 
 
