@@ -361,3 +361,33 @@ def test_the_step_times_on_one_and_two_gpus_say_what_ran():
         names = [name for name, us in profile[label] if us > 0]
         assert any("gemm" in name for name in names), (label, names)
     assert any(name.startswith("relu_forward_kernel") for name, _ in profile["level6"])  # level 6's own kernels seen
+
+
+class _RecordingModel:
+    """A stand-in for level 9's GPU library: records each native epoch's batch size, rows and the scale in force."""
+
+    def __init__(self, replica):
+        self.replica, self.calls = replica, []
+
+    def train_epoch(self, X, y, batch_size, lr, order):
+        self.calls.append((batch_size, order.tolist(), float(self.replica.scale)))
+        return np.ones(-(-len(order) // batch_size), np.float32)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_gpu_worker_steps_on_its_shares_with_its_scale_and_a_stand_in_for_no_rows(rank):
+    """GPUReplica's bookkeeping, without a GPU: 7 rows in batches of 3 over 2 ranks. Rank 0 takes 2 of each whole batch
+    and the last batch's one row; rank 1 takes 1 of each whole batch and, with no row of its own in the last batch,
+    steps on a stand-in weighted 0. The whole batches go in one native call, the last in a second, and each step's
+    loss is weighted by the rank's scale before the ranks' losses are summed."""
+    from level9_data_parallel.mlp import GPUReplica
+
+    replica = GPUReplica.__new__(GPUReplica)  # no NCCL, no process group: only the share arithmetic runs
+    replica.rank, replica.world, replica.bug, replica.scale = rank, WORLD, None, np.float32(1)
+    replica.X = replica.y = None
+    replica.model = _RecordingModel(replica)
+    replica._batch_loss = lambda weighted: weighted  # this rank's weighted losses, before the sum over the ranks
+    losses = replica.epoch(np.arange(7), 3, np.float32(0.1))
+    expected = {0: [(2, [0, 1, 3, 4], 2 / 3), (1, [6], 1.0)], 1: [(1, [2, 5], 1 / 3), (1, [6], 0.0)]}[rank]
+    assert [(b, rows, pytest.approx(s)) for b, rows, s in replica.model.calls] == expected
+    assert losses.tolist() == pytest.approx([expected[0][2]] * 2 + [expected[1][2]])
