@@ -24,7 +24,6 @@ typedef struct { char internal[128]; } ncclUniqueId;
 int ncclGetVersion(int *version);
 int ncclGetUniqueId(ncclUniqueId *uniqueId);
 int ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId commId, int rank);
-int ncclCommDestroy(ncclComm_t comm);
 int ncclAllReduce(const void *sendbuff, void *recvbuff, size_t count, int datatype, int op, ncclComm_t comm,
                   void *stream);
 int ncclRedOpCreatePreMulSum(int *op, void *scalar, int datatype, int residence, ncclComm_t comm);
@@ -32,7 +31,6 @@ int ncclRedOpDestroy(int op, ncclComm_t comm);
 int ncclGroupStart(void);
 int ncclGroupEnd(void);
 int ncclMemAlloc(void **ptr, size_t size);
-int ncclMemFree(void *ptr);
 const char *ncclGetErrorString(int result);
 const char *ncclGetLastError(ncclComm_t comm);
 """)
@@ -100,7 +98,8 @@ def unique_id() -> bytes:
 
 class Communicator:
     """This rank's place in a group of `world` ranks, one GPU each (the current CUDA device). Every rank must make it
-    with the same id, and then call the same collectives in the same order."""
+    with the same id, and then call the same collectives in the same order. It lasts as long as its process: a level-9
+    worker's life."""
 
     def __init__(self, ident: bytes, world: int, rank: int):
         if len(ident) != UNIQUE_ID_BYTES:
@@ -134,15 +133,10 @@ class Communicator:
         finally:  # NCCL allows it as soon as the last call that uses the operator has returned
             _check(lib().ncclRedOpDestroy(op[0], self.comm), "ncclRedOpDestroy", self.comm)
 
-    def close(self) -> None:
-        """Leave the group (after the queued collectives end); later calls raise."""
-        if self.comm is not None:
-            comm, self.comm = self.comm, None
-            _check(lib().ncclCommDestroy(comm), "ncclCommDestroy")
-
 
 class DeviceBuffer:
-    """`floats` float32s of device memory from NCCL's own allocator, for a planted bug's buffer that nothing reads."""
+    """`floats` float32s of device memory from NCCL's own allocator, for a planted bug's buffer that nothing reads;
+    kept for the life of its process."""
 
     def __init__(self, floats: int):
         pointer = ffi.new("void **")
@@ -152,8 +146,3 @@ class DeviceBuffer:
     @property
     def address(self) -> int:
         return int(ffi.cast("uintptr_t", self.pointer))
-
-    def free(self) -> None:
-        if self.pointer is not None:
-            pointer, self.pointer = self.pointer, None
-            _check(lib().ncclMemFree(pointer), "ncclMemFree")
