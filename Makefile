@@ -122,14 +122,17 @@ level7_fused/libmlp.so: level7_fused/mlp.cu level6_cublas/mlp.cu $(CUDA_MLP)
 	$(build_with_cublas)
 level7_fused/liblenet.so: level7_fused/lenet.cu $(LENET6_SOURCES)
 	$(build_with_cudnn)
-# Level 9 on GPUs: level 6's MLP with the gradients summed across GPUs between backward and update.
+# Level 9 on GPUs: level 6's MLP and LeNet-5 with the gradients summed across GPUs between backward and update.
 level9: level9_data_parallel/libmlp.so
+	$(call lenet_if_cudnn,level9_data_parallel/liblenet.so,9)
 level9_data_parallel/libmlp.so: level9_data_parallel/mlp.cu level9_data_parallel/gradient_sum.h level6_cublas/mlp.cu \
 		$(CUDA_MLP)
 	$(build_with_cublas)
+level9_data_parallel/liblenet.so: level9_data_parallel/lenet.cu level9_data_parallel/gradient_sum.h $(LENET6_SOURCES)
+	$(build_with_cudnn)
 # Everything that links cuBLAS: after its wheel where the toolkit lacks it.
 level6_cublas/libmlp.so level6_cublas/liblenet.so level7_fused/libmlp.so level7_fused/liblenet.so \
-	level9_data_parallel/libmlp.so \
+	level9_data_parallel/libmlp.so level9_data_parallel/liblenet.so \
 	build/level7_stress.so build/level7_phases.so build/level7_floors.so build/lab_level7.so: | $(CUDA_ENV)
 
 # Level 8's GPU backend: level 5's kernels (through its lenet.cu, which includes its mlp.cu) and level 6's cuBLAS.

@@ -1,7 +1,8 @@
-"""Level 9's GPU library in Python: level 6's MLP (libmlp.so, built from mlp.cu) with a function that its epoch calls
-between each step's backward pass and its update, to sum the gradients across GPUs (gradient_sum.h).
+"""Level 9's GPU libraries in Python: level 6's MLP (libmlp.so, built from mlp.cu) and LeNet-5 (liblenet.so, from
+lenet.cu), each with a function that its epoch calls between each step's backward pass and its update, to sum the
+gradients across GPUs (gradient_sum.h).
 
-It reuses the course's cffi binding (common/native): the same class as level 6's, on level 9's library, and the
+They reuse the course's cffi binding (common/native): the same classes as level 6's, on level 9's libraries, and the
 header's declarations added to the same FFI. Build: `make level9`.
 """
 
@@ -10,34 +11,35 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from common.native import NativeError, NativeMLP, ffi
+from common.native import NativeError, NativeLeNet, NativeMLP, ffi
 
 HEADER = Path(__file__).with_name("gradient_sum.h")
-LIBRARY = Path(__file__).with_name("libmlp.so")
 
 ffi.cdef(re.search(r"/\* cdef-begin \*/(.*)/\* cdef-end \*/", HEADER.read_text(), re.DOTALL).group(1))
 
 
-class SummedMLP(NativeMLP):
-    """Level 6's MLP on this process's GPU, whose training step can sum its gradients across GPUs (sum_gradients_with).
-    Without a sum installed it trains exactly as level 6."""
+class Summed:
+    """What level 9 adds to a level 6 model: the library is level 9's (library: its file name), and its training step
+    can sum the gradients across GPUs (sum_gradients_with). Without a sum installed it trains as level 6."""
 
     on_gpu = True
+    library = ""  # the shared library's file name, beside this file
     _sum_callback = None  # the installed sum as a C function, kept alive while the library may call it
     _sum_failure = None  # the exception the sum raised inside a native call, raised when that call returns
 
-    def __init__(self, params, matmul: str | None = None):
+    def __init__(self, *args, **kwargs):
         if type(self).lib is None:
-            if not LIBRARY.exists():
-                raise ImportError(f"{LIBRARY.relative_to(LIBRARY.parents[1])} is not built: run `make level9`")
-            type(self).lib = ffi.dlopen(str(LIBRARY))
-        super().__init__(params, matmul)
+            path = Path(__file__).with_name(self.library)
+            if not path.exists():
+                raise ImportError(f"{path.relative_to(path.parents[1])} is not built: run `make level9`")
+            type(self).lib = ffi.dlopen(str(path))
+        super().__init__(*args, **kwargs)
 
     def sum_gradients_with(self, sum_gradients) -> None:
         """Install sum_gradients(gradients, counts, rows, stream): called once per training step, between the
-        backward pass and the update, with the device addresses of the four gradients (dw1, db1, dw2, db2), their
-        counts of floats, the step's rows and the model's CUDA stream; it queues the sum on that stream. None
-        uninstalls it. An exception it raises fails the native call, and is raised from it."""
+        backward pass and the update, with the device addresses of the gradients (the MLP's dw1, db1, dw2, db2;
+        LeNet-5's one flat buffer), their counts of floats, the step's rows and the model's CUDA stream; it queues the
+        sum on that stream. None uninstalls it. An exception it raises fails the native call, and is raised from it."""
         if sum_gradients is None:
             callback = ffi.NULL
         else:
@@ -52,7 +54,7 @@ class SummedMLP(NativeMLP):
 
             callback = ffi.callback("mlp_gradient_sum", call)
         with self._lock:
-            self._check(self.lib.mlp_set_gradient_sum(self._handle(), callback, ffi.NULL))
+            self._check(self._native("set_gradient_sum")(self._handle(), callback, ffi.NULL))
             self._sum_callback = callback
 
     def _check(self, status: int, refused: type[Exception] = NativeError) -> None:
@@ -61,3 +63,16 @@ class SummedMLP(NativeMLP):
         if status != self.lib.MLP_OK and failure is not None:
             raise failure
         super()._check(status, refused)
+
+
+class SummedMLP(Summed, NativeMLP):
+    """Level 6's MLP on this process's GPU, its gradients summed across GPUs by the installed sum."""
+
+    library = "libmlp.so"
+
+
+class SummedLeNet(Summed, NativeLeNet):
+    """Level 6's LeNet-5 on this process's GPU (its steps queued, not replayed as a graph), its gradients summed across
+    GPUs by the installed sum."""
+
+    library = "liblenet.so"

@@ -14,8 +14,8 @@ worker's gradient is the mean over its share, weighted by share * WORLD / B (exa
 the sum divided by WORLD is the mean over the whole batch also for an odd B, a partial last batch, or a share of 0
 rows (a worker with no rows still joins every collective: a collective waits for every rank).
 
-The same driver runs LeNet-5 (LeNet, below: level 3's LeNet-5 in each worker), and on GPUs the MLP with one GPU per
-worker (device="cuda": GPUReplica, level 6's step with NCCL's all-reduce between its backward pass and its update).
+The same driver runs LeNet-5 (LeNet, below: level 3's LeNet-5 in each worker), and on GPUs either network with one GPU
+per worker (device="cuda": GPUReplica, level 6's step with NCCL's all-reduce between its backward pass and its update).
 
 The gold standard is PyTorch's own (DDP, below): the same driver and process group, each worker level 1's network
 wrapped in DistributedDataParallel. It is checked against level 1 the same way, and it is the yardstick of speed.
@@ -188,9 +188,10 @@ class Replica:
 
 
 class GPUReplica(Replica):
-    """One worker's replica on a GPU of its own: level 6's step (cuBLAS), the gradients summed across the GPUs by
-    NCCL's all-reduce, called through cffi (nccl.py). Level 9's library (mlp.cu, gpu.py) queues the sum on the model's
-    stream between each step's backward pass and its update, so a whole epoch still runs in level 6's native calls.
+    """One worker's replica on a GPU of its own: level 6's step (cuBLAS; for LeNet-5 cuDNN too), the gradients summed
+    across the GPUs by NCCL's all-reduce, called through cffi (nccl.py). Level 9's libraries (mlp.cu, lenet.cu, gpu.py)
+    queue the sum on the model's stream between each step's backward pass and its update, so a whole epoch still runs
+    in level 6's native calls.
     Each rank pre-multiplies its gradients by its share of the batch, m_r / B (NCCL's PreMulSum): the sum is then the
     mean over the whole batch. A rank whose share of a batch is empty (a batch, or a partial last batch, of fewer rows
     than WORLD) still joins the step, for the all-reduce waits for every rank: it steps on a stand-in, the batch's first
@@ -202,8 +203,6 @@ class GPUReplica(Replica):
 
         from level9_data_parallel import nccl
 
-        if net != "mlp":
-            raise ValueError(f"level 9 runs the MLP on GPUs, not {net}")
         super().__init__(rank, world, bug, net)
         ident = torch.frombuffer(bytearray(nccl.unique_id() if rank == 0 else bytes(nccl.UNIQUE_ID_BYTES)),
                                  dtype=torch.uint8)
@@ -218,12 +217,12 @@ class GPUReplica(Replica):
         self.X, self.y = immutable(X), immutable(y)
 
     def _set(self, params: dict[str, np.ndarray]) -> None:
-        from level9_data_parallel.gpu import SummedMLP
+        from level9_data_parallel import gpu
 
-        if self.model is not None and self.model.hidden == len(params["fc1.bias"]):
-            self.model.load_state_dict(params)
+        if self.model is not None and (self.network is lenet or self.model.hidden == len(params["fc1.bias"])):
+            self.model.load_state_dict(params)  # the same shapes: the same model, new parameters
             return
-        self.model = SummedMLP(params)
+        self.model = gpu.SummedLeNet(params) if self.network is lenet else gpu.SummedMLP(params)
         self.model.sum_gradients_with(self._sum)
 
     def _sum(self, gradients: list[int], counts: list[int], rows: int, stream: int) -> None:
@@ -265,10 +264,10 @@ class GPUReplica(Replica):
         return self._batch_loss(np.concatenate(losses) * np.concatenate(scales))
 
     def describe(self) -> dict[str, str]:
+        """The GPU and NCCL, and what the library computes with (the MLP's matrix product, LeNet-5's convolution)."""
         import torch
 
-        return {"device": "cuda", "gpu": torch.cuda.get_device_name(0), "nccl": self.nccl.version(),
-                "matmul": self.model.matmul}
+        return {**self.model.variant(), "gpu": torch.cuda.get_device_name(0), "nccl": self.nccl.version()}
 
     def _batch_loss(self, weighted: np.ndarray) -> np.ndarray:
         """Each step's loss over its whole batch: the ranks' weighted share losses, summed (gloo, on the host)."""
@@ -620,11 +619,10 @@ def _gpus(world: int) -> list[str]:
 
 
 class LeNet(MLP):
-    """LeNet-5, data parallel the same way: level 3's LeNet-5 in each worker, on the CPU, the gradients all-reduced
-    through gloo. (On GPUs, level 9 runs the MLP.)"""
+    """LeNet-5, data parallel the same way: on the CPU level 3's LeNet-5 in each worker, the gradients all-reduced
+    through gloo; on GPUs level 6's, the gradients all-reduced by NCCL."""
 
     network = lenet
-    REPLICAS = {"cpu": "level3"}
 
 
 class DDP(MLP):

@@ -65,8 +65,6 @@ def test_lenet_in_lockstep_with_level1_on_mnist(mnist):
     for label, record in records.items():
         assert record.failure is None, f"{label}: {record.failure}"
         assert len(record.used) == steps
-    with pytest.raises(ValueError, match="device must be one of"):
-        LeNet(params, device="cuda")
 
 
 @pytest.mark.parametrize("kind", [MLP, DDP], ids=["level9", "ddp"])
@@ -93,12 +91,13 @@ CAUGHT_BY = {
 
 
 @pytest.mark.parametrize("kind, device",
-                         [(MLP, "cpu"), (LeNet, "cpu"), pytest.param(MLP, "cuda", marks=pytest.mark.gpu)],
-                         ids=["mlp-cpu", "lenet-cpu", "mlp-cuda"])
+                         [(MLP, "cpu"), (LeNet, "cpu"), pytest.param(MLP, "cuda", marks=pytest.mark.gpu),
+                          pytest.param(LeNet, "cuda", marks=pytest.mark.gpu)],
+                         ids=["mlp-cpu", "lenet-cpu", "mlp-cuda", "lenet-cuda"])
 @pytest.mark.parametrize("bug", BUGS)
 def test_each_planted_bug_is_caught(mnist, bug, kind, device):
-    """Each classic data-parallel bug, planted in the workers, fails a check at the first step: on the CPU (level 3's
-    step, gloo), for both networks, and on two GPUs (level 6's step, NCCL)."""
+    """Each classic data-parallel bug, planted in the workers, fails a check at the first step, for both networks: on
+    the CPU (level 3's step, gloo) and on two GPUs (level 6's step, NCCL)."""
     if device == "cuda":
         two_gpus()
     net = "lenet" if kind is LeNet else "mlp"
@@ -209,6 +208,15 @@ def test_the_scaling_table_publishes_medians_with_their_range_and_flags_unsteady
     assert "| 256 | 8 | 100.0 (100.0-100.0) | 150.0 (150.0-150.0) | 0.67x | 0.07x |" in with_level  # 150 / 2,000
     assert "| 4,096 | 16,384 | 5,000.0 (5,000.0-5,000.0) | 2,500.0 (2,500.0-2,500.0) | 2.00x | - |" in with_level
     assert "different GPUs" not in with_level
+    lenet_own = {key: value for key, value in own.items() if key != "matmul"} | {"convolution": "direct"}
+    with_lenet = scaling.markdown(scaled | {"lenet": {
+        "ran_1": scaled["ran_1"], "ran_2": ran, "table": [scaling.table_row(None, 64, [2e-4] * 3, [3e-4] * 3)],
+        "level_1": lenet_own | {"level": "level6", "world": 1}, "level_2": lenet_own | {"device": "GPU C"},
+        "level_table": [scaling.table_row(None, 64, [1e-4] * 3, [1.2e-4] * 3)]}})
+    lenet_part = with_lenet.split("LeNet-5's step", 1)[1]
+    assert "| batch | 1 GPU | 2 GPUs, DDP | speedup |" in lenet_part and "hidden" not in lenet_part
+    assert "| 64 | 100.0 (100.0-100.0) | 120.0 (120.0-120.0) | 0.83x | 0.40x |" in lenet_part  # 120 / 300
+    assert "convolutions direct (cuDNN)" in lenet_part and "ran on different GPUs (GPU A, GPU C)" in with_lenet
 
 
 def rank_that_fails(rank: int, world: int, store: str, out) -> None:
@@ -225,7 +233,8 @@ def test_ranks_that_end_without_a_report_are_an_exception_not_a_hang():
 def test_the_committed_scaling_rows_are_what_their_rounds_give():
     for path in ROOT.glob("results/*x2/scaling.json"):
         scaled = json.loads(path.read_text())
-        for row in scaled["table"] + scaled.get("level_table", []):
+        parts = [scaled] + ([scaled["lenet"]] if "lenet" in scaled else [])
+        for row in [row for part in parts for row in part["table"] + part.get("level_table", [])]:
             assert scaling.table_row(row["hidden"], row["batch"], row["rounds_1"], row["rounds_2"]) == row, path
 
 
@@ -247,36 +256,41 @@ def test_nccl_through_cffi_gives_its_version_and_a_unique_id():
         nccl.Communicator(first[:-1], WORLD, 0)
 
 
-def test_level9_on_gpus_refuses_a_bad_device_and_more_gpus_than_there_are():
+@pytest.mark.parametrize("kind", [MLP, LeNet], ids=["mlp", "lenet"])
+def test_level9_on_gpus_refuses_a_bad_device_and_more_gpus_than_there_are(kind):
     import torch
 
+    params = kind.network.init_params(0, 16 if kind is MLP else None)
     with pytest.raises(ValueError, match="device must be one of"):
-        MLP(init_params(0, 16), device="gpu")
+        kind(params, device="gpu")
     with pytest.raises(RuntimeError, match=f"{torch.cuda.device_count() + 1} workers asked for"):
-        MLP(init_params(0, 16), workers=torch.cuda.device_count() + 1, device="cuda")
+        kind(params, workers=torch.cuda.device_count() + 1, device="cuda")
 
 
 @pytest.mark.gpu
-def test_the_gradient_sum_is_called_once_per_step_and_its_failure_is_raised(mnist, request):
-    """Level 9's library calls the installed sum once per step with the four gradients and the step's rows; a sum that
-    adds nothing leaves level 6's step bit for bit; an exception in it is raised from the native call, and the model
-    carries on."""
+@pytest.mark.parametrize("net", ["mlp", "lenet"])
+def test_the_gradient_sum_is_called_once_per_step_and_its_failure_is_raised(mnist, request, net):
+    """Level 9's libraries call the installed sum once per step with the gradients (the MLP's four, LeNet-5's one flat
+    buffer) and the step's rows; a sum that adds nothing leaves level 6's step bit for bit (LeNet-5's queued, level
+    6's replayed as a graph); an exception in it is raised from the native call, and the model carries on."""
     from conftest import require
 
+    import level6_cublas
     from common.levels import level
+    from level9_data_parallel import gpu
 
     require(level(6), "cuda", request.config)
-    from level6_cublas import MLP as Level6
-    from level9_data_parallel.gpu import SummedMLP
-
-    X, y, params = mnist[0][:20], mnist[1][:20], init_params(0, 100)
-    plain, summed = Level6(params), SummedMLP(params)
+    network = get(net).network
+    X, y, params = mnist[0][:20], mnist[1][:20], network.init_params(0, 100 if net == "mlp" else None)
+    plain = getattr(level6_cublas, get(net).class_name)(params)
+    summed = gpu.SummedMLP(params) if net == "mlp" else gpu.SummedLeNet(params)
     calls = []
     summed.sum_gradients_with(lambda gradients, counts, rows, stream: calls.append((counts, rows)))
     assert np.array_equal(plain.train_epoch(X, y, 8, 0.1), summed.train_epoch(X, y, 8, 0.1))
-    for name in PARAM_NAMES:
+    for name in network.PARAM_NAMES:
         assert plain.state_dict()[name].tobytes() == summed.state_dict()[name].tobytes(), name
-    assert calls == [([100 * 784, 100, 10 * 100, 10], rows) for rows in (8, 8, 4)]
+    counts = [100 * 784, 100, 10 * 100, 10] if net == "mlp" else [summed.lib.LENET_PARAMS]
+    assert calls == [(counts, rows) for rows in (8, 8, 4)]
 
     def failing(*args):
         raise RuntimeError("the sum failed")
@@ -324,6 +338,33 @@ def test_on_two_gpus_the_replicas_are_bit_identical_after_an_epoch(mnist):
 
 
 @pytest.mark.gpu
+def test_on_two_gpus_lenet_in_lockstep_with_level1_on_mnist(mnist):
+    """LeNet-5 on two GPUs (level 6's step on each, cuDNN's convolutions, NCCL summing its one gradient buffer): every
+    step against level 1's single-process step of the whole batch (batch 13, shares of 7 and 6, a partial last
+    batch), level 6's LeNet-5 on one GPU beside it; then the replicas bit for bit. It says what ran."""
+    two_gpus()
+    import torch
+
+    from level6_cublas import LeNet as Level6LeNet
+
+    X, y, params = mnist[0][:160], mnist[1][:160], lenet.init_params(0)
+    with LeNet(params, device="cuda") as model:
+        ran = model.variant()
+        records, steps = lockstep({"level6": Level6LeNet(params), "level9": model}, params, X, y, 13, shuffle=True,
+                                  net="lenet")
+        first, second = model.replica_states()
+    assert ran["device"] == "cuda" and ran["gpu"] == torch.cuda.get_device_name(0) and ran["workers"] == str(WORLD)
+    assert ran["convolution"] == "direct" and ran["nccl"].count(".") == 2
+    for label, record in records.items():
+        assert record.failure is None, f"{label}: {record.failure}"
+        assert len(record.used) == steps
+    for name in lenet.PARAM_NAMES:
+        assert first[name].tobytes() == second[name].tobytes(), name
+    print(f"LeNet-5, batch 13, {ran}: largest share of the allowance used over {steps} steps: "
+          + ", ".join(f"{label} {max(record.used):.3f}" for label, record in records.items()))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("batch, n", [(1, 6), (3, 7)], ids=["b1", "b3-last-of-1"])
 def test_on_two_gpus_a_rank_without_rows_adds_nothing(mnist, batch, n):
     """Batches of fewer rows than GPUs (every batch of 1; a last batch of 1): the rank without a row steps on a
@@ -348,13 +389,16 @@ def test_the_step_times_on_one_and_two_gpus_say_what_ran():
     import torch
 
     for world in (1, WORLD):
-        rows, ran = scaling.step_times([(64, 32)], world)
-        own_rows, own = scaling.level_step_times([(64, 32)], world)
-        for timed in (rows, own_rows):
-            assert len(timed[(64, 32)]) == scaling.ROUNDS and min(timed[(64, 32)]) > 0
-        assert ran["world"] == world and ran["ddp"] == (world > 1) and ran["tf32"] is False
-        assert own["world"] == world and own["level"] == ("level6" if world == 1 else "level9")
-        assert own["device"] == torch.cuda.get_device_name(0) and own["matmul"] == "cublas"
+        for net, size, computes in (("mlp", (64, 32), {"matmul": "cublas"}),
+                                    ("lenet", (None, 32), {"convolution": "direct"})):
+            rows, ran = scaling.step_times([size], world, net)
+            own_rows, own = scaling.level_step_times([size], world, net)
+            for timed in (rows, own_rows):
+                assert len(timed[size]) == scaling.ROUNDS and min(timed[size]) > 0
+            assert ran["world"] == world and ran["ddp"] == (world > 1) and ran["tf32"] is False and ran["net"] == net
+            assert own["world"] == world and own["level"] == ("level6" if world == 1 else "level9")
+            assert own["device"] == torch.cuda.get_device_name(0) and own["net"] == net
+            assert {key: own[key] for key in computes} == computes
     profile = scaling.kernel_profile(64, 32, steps=2)
     assert profile["ran"]["device"] == torch.cuda.get_device_name(0) and profile["ran"]["tf32"] is False
     for label in ("level6", "torch"):
