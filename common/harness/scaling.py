@@ -9,7 +9,8 @@ One GPU runs level 1's network plainly (world 1: no DDP, what a user with one GP
 DistributedDataParallel, each rank on its half of every batch, NCCL summing the gradients in buckets while backward()
 still runs. The course's own: level 6's step on one GPU, and level 9's on two (level 6's step on each half, NCCL's
 all-reduce between the backward pass and the update). Full float32 (TF32 off), SGD, real MNIST rows on the GPU, batch
-i being rows i * batch onwards. Each size is timed ROUNDS times over STEPS steps after WARMUP, every rank starting
+i being rows i * batch onwards. PyTorch's cuDNN picks LeNet-5's convolution algorithms by timing them (benchmark mode),
+as a user after speed sets it; level 6 keeps its fixed, deterministic ones. Each size is timed ROUNDS times over STEPS steps after WARMUP, every rank starting
 together; rank 0 reports each round's seconds per step.
 
 Run on two GPUs: `python -m common.harness.scaling` writes results/<gpu>x2/scaling.json.
