@@ -11,7 +11,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from common.native import NativeError, NativeLeNet, NativeMLP, ffi
+import numpy as np
+
+from common.contract import check_training, n_steps
+from common.native import NativeError, NativeLeNet, NativeMLP, _ptr, ffi
 
 HEADER = Path(__file__).with_name("gradient_sum.h")
 
@@ -72,7 +75,21 @@ class SummedMLP(Summed, NativeMLP):
 
 
 class SummedLeNet(Summed, NativeLeNet):
-    """Level 6's LeNet-5 on this process's GPU (its steps queued, not replayed as a graph), its gradients summed across
-    GPUs by the installed sum."""
+    """Level 6's LeNet-5 on this process's GPU, its gradients summed across GPUs by the installed sum; an epoch's whole
+    batches replay one captured step, the sum inside it (lenet.cu)."""
 
     library = "liblenet.so"
+
+    def train_epoch(self, X: np.ndarray, y: np.ndarray, batch_size: int, lr: float, order=None) -> np.ndarray:
+        """One pass over X in `order` in one native call; each step's loss. NativeModel's epoch is native calls of
+        about CHUNK_S each, cut by this process's clock, so that Ctrl-C is heard between two of them. Level 9's workers
+        leave Ctrl-C to their driver, and every rank must make the same calls: a call may capture its steps, and
+        their all-reduce, as a graph (lenet.cu), which every rank must do at the same step."""
+        with self._lock:
+            n = self._data.fetch(X, y, self._upload, self._use_device)
+            order, batch_size, lr = check_training(n, batch_size, lr, order)
+            self._check_rows(batch_size)
+            losses = np.empty(n_steps(len(order), batch_size), dtype=np.float32)
+            self._check(self._native("train_epoch")(self._handle(), _ptr(losses, "float[]"), _ptr(order, "int[]"),
+                                                    len(order), batch_size, lr))
+            return losses

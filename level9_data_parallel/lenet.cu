@@ -4,9 +4,11 @@
  * (m->grads), so the installed sum (gradient_sum.h) is handed one gradient of LENET_PARAMS floats: one all-reduce a
  * step. Each step is gather, forward and backward, the sum, then the update, queued on the model's stream.
  *
- * Level 6 replays each whole batch's step as a CUDA graph; this file leaves that out (LENET_FUSED_STEP, as level 7
- * does) and queues the steps one kernel after another, as level 5 does. The sum is a Python function (gpu.py) that
- * queues NCCL's all-reduce, and a graph replays only GPU work, never a call back into Python.
+ * Level 6 replays each whole batch's step as a CUDA graph. So does this file, with the sum inside: the installed sum
+ * queues NCCL's all-reduce, and NCCL's calls can be captured into a graph like kernels. NCCL asks one thing of it:
+ * every rank captures its all-reduce at the same step, and replays it at the same steps. So the graph is captured
+ * afresh at each call (level 9's workers make the same calls, gpu.py), never on one rank alone; and a replay runs the
+ * sum's scale it was captured with, which is this call's.
  *
  * Build: `make level9` (with cuDNN, as level 6's LeNet-5); test: `pytest -m level9` on a machine with two GPUs.
  */
@@ -54,16 +56,61 @@ static int sum_gradients(lenet *m, int B) {
                 "the gradient sum (lenet_set_gradient_sum's function) failed with status %d", status);
 }
 
-/* The steps of an epoch, each its gather, forward and backward, the sum across GPUs (when one is installed), then
- * the update. */
+/* One whole step on the rows `order` (device, B of them): gather, forward and backward, the sum across GPUs, then
+ * the update; the loss to *loss (device). */
+static int summed_step(lenet *m, const int *order, int B, float lr, float *loss) {
+    int status = gather(&m->base, m->x, m->y, m->data_x, m->data_y, order, B, IMAGE * IMAGE);
+    if (!status) status = net_forward_backward(m, loss, m->x, m->y, B);
+    if (!status) status = sum_gradients(m, B);
+    if (!status) status = sgd_update(&m->base, m->params, m->grads, lr, N_PARAMS);
+    return status;
+}
+
+/* summed_step for B rows read from s->step_order, captured as a graph into s->step (level 6's fields, remade here at
+ * every call; s->step_rows: the rows s->step_order holds). One step runs first outside the capture, all but its
+ * update: cuBLAS, cuDNN and NCCL set themselves up on first use, which a capture forbids. */
+static int capture_summed_step(lenet *m, const int *order, int B, float lr) {
+    cudnn_state *s = state(m);
+    if (s->step) CUDA_CHECK(cudaGraphExecDestroy(s->step));
+    s->step = NULL;
+    if (s->step_rows < B) {
+        CUDA_CHECK(free_device({s->step_order}));
+        s->step_order = NULL, s->step_rows = 0;
+        CUDA_CHECK(device_malloc(&s->step_order, sizeof(int) * (size_t)B));
+        s->step_rows = B;
+    }
+    if (!s->step_loss) CUDA_CHECK(device_malloc(&s->step_loss, sizeof(float)));
+    int status = describe(m, B);
+    if (!status) status = gather(&m->base, m->x, m->y, m->data_x, m->data_y, order, B, IMAGE * IMAGE);
+    if (!status) status = net_forward_backward(m, s->step_loss, m->x, m->y, B);
+    if (!status) status = sum_gradients(m, B);
+    if (status) return status;
+    return capture_graph(m, &s->step, [&] { return summed_step(m, s->step_order, B, lr, s->step_loss); });
+}
+
+/* The steps of an epoch. With a sum installed and at least two whole batches, the whole batches replay one captured
+ * summed_step: each its rows copied to where the graph reads them, one launch, its loss copied to its place. The rest
+ * are queued kernel by kernel: a single whole batch (a capture would cost more than it saves), a final partial batch,
+ * and every step when no sum is installed (level 6's step on one GPU, without its graph). */
 static int train_steps(lenet *m, int n_order, int batch_size, float lr) {
-    const bool summed = installed(m) && installed(m)->sum;
-    for (int start = 0, step = 0; start < n_order; start += batch_size, step++) {
+    if (!installed(m) || !installed(m)->sum) return queue_steps(m, n_order, batch_size, lr);
+    const int whole = n_order / batch_size;
+    int done = 0;
+    if (whole >= 2) {
+        cudnn_state *s = state(m);
+        const int status = capture_summed_step(m, m->order, batch_size, lr);
+        if (status) return status;
+        for (; done < whole; done++) {
+            CUDA_CHECK(cudaMemcpyAsync(s->step_order, m->order + (size_t)done * batch_size, sizeof(int) * batch_size,
+                                       cudaMemcpyDeviceToDevice, m->base.stream));
+            CUDA_CHECK(cudaGraphLaunch(s->step, m->base.stream));
+            CUDA_CHECK(cudaMemcpyAsync(m->losses + done, s->step_loss, sizeof(float), cudaMemcpyDeviceToDevice,
+                                       m->base.stream));
+        }
+    }
+    for (int start = done * batch_size; start < n_order; start += batch_size, done++) {
         const int B = n_order - start < batch_size ? n_order - start : batch_size;
-        int status = gather(&m->base, m->x, m->y, m->data_x, m->data_y, m->order + start, B, IMAGE * IMAGE);
-        if (!status) status = net_forward_backward(m, m->losses + step, m->x, m->y, B);
-        if (!status && summed) status = sum_gradients(m, B);
-        if (!status) status = sgd_update(&m->base, m->params, m->grads, lr, N_PARAMS);
+        const int status = summed_step(m, m->order + start, B, lr, m->losses + done);
         if (status) return status;
     }
     return MLP_OK;

@@ -270,9 +270,10 @@ def test_level9_on_gpus_refuses_a_bad_device_and_more_gpus_than_there_are(kind):
 @pytest.mark.gpu
 @pytest.mark.parametrize("net", ["mlp", "lenet"])
 def test_the_gradient_sum_is_called_once_per_step_and_its_failure_is_raised(mnist, request, net):
-    """Level 9's libraries call the installed sum once per step with the gradients (the MLP's four, LeNet-5's one flat
-    buffer) and the step's rows; a sum that adds nothing leaves level 6's step bit for bit (LeNet-5's queued, level
-    6's replayed as a graph); an exception in it is raised from the native call, and the model carries on."""
+    """Level 9's libraries call the installed sum with the gradients (the MLP's four, LeNet-5's one flat buffer) and
+    the step's rows: the MLP at each step; LeNet-5 at each step it queues, and twice for the whole batches it replays
+    as a graph (a step before the capture, and the capture). A sum that adds nothing leaves level 6's step bit for
+    bit; an exception in it is raised from the native call, and the model carries on."""
     from conftest import require
 
     import level6_cublas
@@ -290,7 +291,14 @@ def test_the_gradient_sum_is_called_once_per_step_and_its_failure_is_raised(mnis
     for name in network.PARAM_NAMES:
         assert plain.state_dict()[name].tobytes() == summed.state_dict()[name].tobytes(), name
     counts = [100 * 784, 100, 10 * 100, 10] if net == "mlp" else [summed.lib.LENET_PARAMS]
-    assert calls == [(counts, rows) for rows in (8, 8, 4)]
+    assert calls == [(counts, rows) for rows in (8, 8, 4)]  # LeNet-5: the capture's two, then the last batch
+    if net == "lenet":  # nine whole batches: two calls, then nine replays that call nothing
+        calls.clear()
+        X, y = mnist[0][:72], mnist[1][:72]
+        assert np.array_equal(plain.train_epoch(X, y, 8, 0.1), summed.train_epoch(X, y, 8, 0.1))
+        for name in network.PARAM_NAMES:
+            assert plain.state_dict()[name].tobytes() == summed.state_dict()[name].tobytes(), name
+        assert calls == [(counts, 8)] * 2
 
     def failing(*args):
         raise RuntimeError("the sum failed")
@@ -362,6 +370,22 @@ def test_on_two_gpus_lenet_in_lockstep_with_level1_on_mnist(mnist):
         assert first[name].tobytes() == second[name].tobytes(), name
     print(f"LeNet-5, batch 13, {ran}: largest share of the allowance used over {steps} steps: "
           + ", ".join(f"{label} {max(record.used):.3f}" for label, record in records.items()))
+
+
+@pytest.mark.gpu
+def test_on_two_gpus_a_lenet_epoch_replayed_as_a_graph_is_its_steps_one_by_one(mnist):
+    """LeNet-5's whole batches replay one captured step, the all-reduce inside it; the same steps made one native call
+    each (queued, no graph) give the very same losses and weights, on both replicas."""
+    two_gpus()
+    X, y, params = mnist[0][:300], mnist[1][:300], lenet.init_params(0)
+    order = epoch_order(len(X), 0, 0, True)
+    with LeNet(params, device="cuda") as graphed, LeNet(params, device="cuda") as stepped:
+        losses = graphed.train_epoch(X, y, 8, 0.05, order)
+        one_by_one = [stepped.train_epoch(X, y, 8, 0.05, order[start : start + 8])[0] for start in range(0, 300, 8)]
+        assert losses.tobytes() == np.array(one_by_one, np.float32).tobytes()
+        for first, second in zip(graphed.replica_states(), stepped.replica_states()):
+            for name in lenet.PARAM_NAMES:
+                assert first[name].tobytes() == second[name].tobytes(), name
 
 
 @pytest.mark.gpu
