@@ -10,8 +10,8 @@ DistributedDataParallel, each rank on its half of every batch, NCCL summing the 
 still runs. The course's own: level 6's step on one GPU, and level 9's on two (level 6's step on each half, NCCL's
 all-reduce between the backward pass and the update). Full float32 (TF32 off), SGD, real MNIST rows on the GPU, batch
 i being rows i * batch onwards. PyTorch's cuDNN picks LeNet-5's convolution algorithms by timing them (benchmark mode),
-as a user after speed sets it; level 6 keeps its fixed, deterministic ones. Each size is timed ROUNDS times over STEPS steps after WARMUP, every rank starting
-together; rank 0 reports each round's seconds per step.
+as a user after speed sets it; level 6 keeps its fixed, deterministic ones. Each size is timed ROUNDS times over
+STEPS steps after WARMUP, every rank starting together; rank 0 reports each round's seconds per step.
 
 Run on two GPUs: `python -m common.harness.scaling` writes results/<gpu>x2/scaling.json.
 """
