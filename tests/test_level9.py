@@ -269,7 +269,7 @@ def test_level9_on_gpus_refuses_a_bad_device_and_more_gpus_than_there_are(kind):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("net", ["mlp", "lenet"])
-def test_the_gradient_sum_is_called_once_per_step_and_its_failure_is_raised(mnist, request, net):
+def test_the_gradient_sum_is_called_as_the_steps_are_queued_and_its_failure_is_raised(mnist, request, net):
     """Level 9's libraries call the installed sum with the gradients (the MLP's four, LeNet-5's one flat buffer) and
     the step's rows: the MLP at each step; LeNet-5 at each step it queues, and twice for the whole batches it replays
     as a graph (a step before the capture, and the capture). A sum that adds nothing leaves level 6's step bit for
